@@ -1,0 +1,26 @@
+"""kaisa: distributed K-FAC gradient preconditioning for PyTorch.
+
+Quickstart::
+
+    import kaisa
+    pre = kaisa.KFACPreconditioner(model)
+    loss.backward(); pre.step(); optimizer.step()
+"""
+
+from __future__ import annotations
+
+from kaisa import ops
+from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
+from kaisa.layers import KFACLayer
+from kaisa.preconditioner import KFACPreconditioner
+
+__all__ = [
+    "AssignmentStrategy",
+    "ComputeMethod",
+    "DistributedStrategy",
+    "KFACLayer",
+    "KFACPreconditioner",
+    "ops",
+]
+
+__version__ = "0.1.0"

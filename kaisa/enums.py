@@ -1,0 +1,73 @@
+"""Enumerations accepted by :class:`kaisa.KFACPreconditioner`.
+
+Every enum argument also accepts its name or value as a string, case-insensitively
+(``'eigen'``, ``'COMM_OPT'``, ``'comm-opt'``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+__all__ = [
+    "AssignmentStrategy",
+    "ComputeMethod",
+    "DistributedStrategy",
+    "parse_enum",
+]
+
+
+class ComputeMethod(enum.Enum):
+    """How the second-order information of a layer is computed."""
+
+    EIGEN = "eigen"
+    INVERSE = "inverse"
+
+
+class DistributedStrategy(enum.Enum):
+    """KAISA's grad-worker-fraction presets.
+
+    ``COMM_OPT`` makes every rank a gradient worker (fraction 1), ``MEM_OPT`` makes one
+    rank per layer a gradient worker (fraction 1/world) and ``HYBRID_OPT`` sits between
+    them (fraction 1/2).
+    """
+
+    COMM_OPT = "comm_opt"
+    MEM_OPT = "mem_opt"
+    HYBRID_OPT = "hybrid_opt"
+
+
+class AssignmentStrategy(enum.Enum):
+    """Cost model used to place decompositions on ranks."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_enum(cls: type[E], value: E | str, argument: str) -> E:
+    """Convert ``value`` to a member of ``cls``.
+
+    Args:
+        cls: the enum class.
+        value: a member of ``cls`` or a string naming one (by name or value, any case,
+            ``-`` and ``_`` interchangeable).
+        argument: the argument name used in the error message.
+
+    Returns:
+        The enum member.
+
+    Raises:
+        ValueError: if ``value`` names no member.
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().replace("-", "_")
+        for member in cls:
+            if key in (member.name.lower(), str(member.value).lower()):
+                return member
+    choices = ", ".join(repr(str(m.value)) for m in cls)
+    raise ValueError(f"{argument}={value!r} is not valid; expected one of {choices}")

@@ -1,0 +1,169 @@
+"""Decompositions of Kronecker factors with the "never corrupt training" fallback ladder.
+
+A decomposition is first computed in the requested dtype (at least float32); if it
+raises or returns non-finite values it is retried in float64; if that fails too the
+caller gets ``None`` and keeps what it had. Factors of the same size are decomposed in
+one batched call (one host synchronisation per size group for the finiteness check).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kaisa import ops
+
+__all__ = [
+    "EigenResult",
+    "compute_dtype",
+    "damped_inverses",
+    "eigen_decompositions",
+]
+
+logger = logging.getLogger("kaisa")
+
+
+@dataclass
+class EigenResult:
+    """Eigendecomposition ``Q diag(d) Q^T`` of a batch of factors.
+
+    Attributes:
+        eigenvalues: ``(B, n)``, clamped at 0.
+        eigenvectors: ``(B, n, n)``, columns are eigenvectors.
+    """
+
+    eigenvalues: torch.Tensor
+    eigenvectors: torch.Tensor
+
+
+def compute_dtype(inv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype decompositions run in: ``inv_dtype`` upcast to at least float32."""
+    return torch.float64 if inv_dtype == torch.float64 else torch.float32
+
+
+def _all_finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per-tensor finiteness with a single host synchronisation."""
+    if not tensors:
+        return []
+    flags = torch.stack([torch.isfinite(t).all() for t in tensors])
+    return [bool(f) for f in flags.tolist()]
+
+
+def _eigh(mats: torch.Tensor, dtype: torch.dtype) -> EigenResult | None:
+    """One batched attempt; ``None`` if it raised or produced non-finite values."""
+    try:
+        evals, evecs = ops.eigh(mats.to(dtype))
+    except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
+        logger.debug("eigh failed in %s: %s", dtype, err)
+        return None
+    if not all(_all_finite([evals, evecs])):
+        return None
+    return EigenResult(evals.clamp_(min=0.0), evecs)
+
+
+def eigen_decompositions(
+    factors: Sequence[torch.Tensor | None],
+    *,
+    inv_dtype: torch.dtype,
+    names: Sequence[str] | None = None,
+) -> list[EigenResult | None]:
+    """Eigendecompose many factor batches, grouped by size, with the fallback ladder.
+
+    Args:
+        factors: factor batches ``(B_i, n_i, n_i)`` (``None`` entries stay ``None``).
+        inv_dtype: storage dtype of the results; decompositions run in
+            :func:`compute_dtype` of it.
+        names: names for the warnings, one per factor.
+
+    Returns:
+        One :class:`EigenResult` (in ``inv_dtype``) or ``None`` (failed) per factor.
+    """
+    results: list[EigenResult | None] = [None] * len(factors)
+    groups: dict[tuple[int, torch.device], list[int]] = {}
+    for i, f in enumerate(factors):
+        if f is not None:
+            groups.setdefault((f.shape[-1], f.device), []).append(i)
+    dtype = compute_dtype(inv_dtype)
+    for members in groups.values():
+        sizes = [factors[i].shape[0] for i in members]  # type: ignore[union-attr]
+        batch = torch.cat([factors[i] for i in members])  # type: ignore[misc]
+        res = _eigh(batch, dtype)
+        if res is not None:
+            vals = res.eigenvalues.to(inv_dtype).split(sizes)
+            vecs = res.eigenvectors.to(inv_dtype).split(sizes)
+            for i, v, q in zip(members, vals, vecs):
+                results[i] = EigenResult(v, q)
+            continue
+        for i in members:  # isolate the failing factor, retry each in float64
+            f = factors[i]
+            assert f is not None
+            one = _eigh(f, dtype) if len(members) > 1 else None
+            if one is None and dtype != torch.float64:
+                one = _eigh(f, torch.float64)
+                if one is not None:
+                    logger.warning("eigendecomposition of %s retried in float64", _name(names, i))
+            if one is None:
+                logger.warning(
+                    "eigendecomposition of %s failed (non-finite or no convergence); keeping "
+                    "the previous decomposition", _name(names, i),
+                )
+                continue
+            results[i] = EigenResult(one.eigenvalues.to(inv_dtype), one.eigenvectors.to(inv_dtype))
+    return results
+
+
+def _cholesky_inverse(mats: torch.Tensor, damping: float, dtype: torch.dtype) -> torch.Tensor | None:
+    m = mats.to(dtype)
+    eye = torch.eye(m.shape[-1], dtype=dtype, device=m.device)
+    try:
+        chol, info = torch.linalg.cholesky_ex(m + damping * eye)
+        inv = torch.cholesky_inverse(chol)
+    except RuntimeError as err:
+        logger.debug("cholesky failed in %s: %s", dtype, err)
+        return None
+    ok = torch.stack([(info == 0).all(), torch.isfinite(inv).all()]).all()
+    return inv if bool(ok) else None
+
+
+def damped_inverses(
+    factors: Sequence[torch.Tensor | None],
+    *,
+    damping: float,
+    inv_dtype: torch.dtype,
+    names: Sequence[str] | None = None,
+) -> list[torch.Tensor | None]:
+    """``(F + damping*I)^-1`` of each factor batch via Cholesky, with the fallback ladder.
+
+    Args:
+        factors: factor batches ``(B_i, n_i, n_i)`` (``None`` entries stay ``None``).
+        damping: added to the diagonal.
+        inv_dtype: storage dtype of the results.
+        names: names for the warnings.
+
+    Returns:
+        One inverse batch (``inv_dtype``) or ``None`` (failed) per factor.
+    """
+    dtype = compute_dtype(inv_dtype)
+    out: list[torch.Tensor | None] = []
+    for i, f in enumerate(factors):
+        if f is None:
+            out.append(None)
+            continue
+        inv = _cholesky_inverse(f, damping, dtype)
+        if inv is None and dtype != torch.float64:
+            inv = _cholesky_inverse(f, damping, torch.float64)
+            if inv is not None:
+                logger.warning("inverse of %s retried in float64", _name(names, i))
+        if inv is None:
+            logger.warning(
+                "inverse of %s failed; keeping the previous inverse", _name(names, i)
+            )
+        out.append(None if inv is None else inv.to(inv_dtype))
+    return out
+
+
+def _name(names: Sequence[str] | None, i: int) -> str:
+    return f"factor {i}" if names is None else names[i]
