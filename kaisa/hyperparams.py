@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypeVar, Union
+from typing import TypeAlias, TypeVar
 
 __all__ = ["Schedule", "check_float", "check_int", "evaluate"]
 
 T = TypeVar("T", int, float)
-Schedule = Union[T, Callable[[int], T]]
+Schedule: TypeAlias = T | Callable[[int], T]
 
 
 def check_float(

@@ -62,6 +62,19 @@ class KFACLayer:
         self.skipped_g: torch.Tensor | None = None
         self.hooks_fired = False
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The module's weight parameter."""
+        w = self.module.weight
+        assert isinstance(w, torch.Tensor)
+        return w
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The module's bias parameter, if any."""
+        b = getattr(self.module, "bias", None)
+        return b if isinstance(b, torch.Tensor) else None
+
     # ------------------------------------------------------------------ public views
     @property
     def a_factor(self) -> torch.Tensor | None:
@@ -137,13 +150,13 @@ class KFACLayer:
     # ------------------------------------------------------------------ gradients
     def grad_matrix(self) -> torch.Tensor | None:
         """``[W.grad | b.grad]`` as ``(groups, out/groups, n)``; ``None`` without a gradient."""
-        weight = self.module.weight
+        weight = self.weight
         if weight.grad is None:
             return None
         out = weight.shape[0]
         g = weight.grad.reshape(out, -1)
-        if self.has_bias:
-            bgrad = self.module.bias.grad
+        if self.bias is not None:
+            bgrad = self.bias.grad
             if bgrad is None:
                 bgrad = torch.zeros(out, dtype=g.dtype, device=g.device)
             g = torch.cat([g, bgrad.reshape(out, 1)], dim=1)
@@ -151,12 +164,12 @@ class KFACLayer:
 
     def write_grad(self, precond: torch.Tensor) -> None:
         """Copy a preconditioned ``(groups, out/groups, n)`` matrix into the ``.grad``s."""
-        weight = self.module.weight
+        weight = self.weight
         assert weight.grad is not None
         out = weight.shape[0]
         mat = precond.reshape(out, -1)
-        if self.has_bias:
-            bias = self.module.bias
+        bias = self.bias
+        if bias is not None:
             if bias.grad is not None:
                 bias.grad.copy_(mat[:, -1].reshape(bias.grad.shape))
             mat = mat[:, :-1]
@@ -181,10 +194,10 @@ class KFACLayer:
             self.qa, self.da = a.eigenvectors, a.eigenvalues
         if g is not None:
             self.qg, self.dg = g.eigenvectors, g.eigenvalues
-        if damping is not None and self.da is not None and self.dg is not None:
-            if a is not None or g is not None or self.dgda is None:
-                outer = self.dg.unsqueeze(-1) * self.da.unsqueeze(-2)
-                self.dgda = 1.0 / (outer + damping)
+        changed = a is not None or g is not None or self.dgda is None
+        if damping is not None and changed and self.da is not None and self.dg is not None:
+            outer = self.dg.unsqueeze(-1) * self.da.unsqueeze(-2)
+            self.dgda = 1.0 / (outer + damping)
 
     def set_inverses(self, a_inv: torch.Tensor | None, g_inv: torch.Tensor | None) -> None:
         """Store new damped inverses (``None`` keeps the previous)."""
@@ -233,7 +246,7 @@ class KFACLayer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output, moving tensors to the module's device."""
-        device = self.module.weight.device
+        device = self.weight.device
 
         def get(key: str) -> torch.Tensor | None:
             t = state.get(key)

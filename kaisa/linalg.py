@@ -92,9 +92,9 @@ def eigen_decompositions(
         batch = torch.cat([factors[i] for i in members])  # type: ignore[misc]
         res = _eigh(batch, dtype)
         if res is not None:
-            vals = res.eigenvalues.to(inv_dtype).split(sizes)
-            vecs = res.eigenvectors.to(inv_dtype).split(sizes)
-            for i, v, q in zip(members, vals, vecs):
+            vals = torch.split(res.eigenvalues.to(inv_dtype), sizes)
+            vecs = torch.split(res.eigenvectors.to(inv_dtype), sizes)
+            for i, v, q in zip(members, vals, vecs, strict=True):
                 results[i] = EigenResult(v, q)
             continue
         for i in members:  # isolate the failing factor, retry each in float64
@@ -115,7 +115,9 @@ def eigen_decompositions(
     return results
 
 
-def _cholesky_inverse(mats: torch.Tensor, damping: float, dtype: torch.dtype) -> torch.Tensor | None:
+def _cholesky_inverse(
+    mats: torch.Tensor, damping: float, dtype: torch.dtype
+) -> torch.Tensor | None:
     m = mats.to(dtype)
     eye = torch.eye(m.shape[-1], dtype=dtype, device=m.device)
     try:

@@ -292,7 +292,7 @@ def test_multihead_attention_out_proj_left_unpreconditioned():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(3):
+        for _ in range(3):
             opt.zero_grad()
             net(torch.randn(5, 6, 4)).square().mean().backward()
             raw = net.attn.out_proj.weight.grad.clone()

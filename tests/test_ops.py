@@ -1,0 +1,683 @@
+"""Tests of kaisa.ops: reference exactness, extension vs reference, API behaviour."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kaisa.ops as ops
+from kaisa.ops import _reference as ref
+
+HAS_EXT = ops.extension_available()
+needs_ext = pytest.mark.skipif(
+    not HAS_EXT, reason=f"kaisa._C extension not available: {ops.extension_error()}"
+)
+
+# (input shape, kernel, stride, padding, dilation, groups)
+CONV_CASES: list[tuple[tuple[int, int, int, int], Any, Any, Any, Any, int]] = [
+    ((3, 8, 9, 11), (3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ((2, 6, 13, 10), (3, 2), (2, 1), (1, 0), (2, 1), 2),  # odd sizes, stride, dilation
+    ((2, 6, 9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 6),  # depthwise
+    ((2, 8, 30, 30), (1, 1), (1, 1), (0, 0), (1, 1), 1),  # pointwise, plane-contiguous path
+    ((3, 8, 7, 5), (1, 1), (1, 1), (0, 0), (1, 1), 2),  # pointwise, small planes
+    ((2, 4, 9, 8), (1, 1), (2, 2), (0, 0), (1, 1), 1),  # 1x1 stride 2
+    ((2, 3, 23, 21), (7, 7), (2, 2), (3, 3), (1, 1), 1),  # stem conv
+    ((2, 4, 11, 11), (3, 3), (2, 2), (2, 2), (2, 2), 2),  # stride 2 + dilation 2
+    ((1, 5, 6, 6), (2, 2), (1, 1), (0, 0), (1, 1), 1),  # even kernel, N = 1
+]
+
+
+@pytest.fixture
+def ext_backend() -> Iterator[None]:
+    if not HAS_EXT:
+        pytest.skip(f"kaisa._C extension not available: {ops.extension_error()}")
+    with ops.use_backend("ext"):
+        yield
+
+
+@pytest.fixture(params=["torch", pytest.param("ext", marks=needs_ext)])
+def any_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    name = str(request.param)
+    with ops.use_backend(name):
+        yield name
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    if dtype == torch.float64:
+        return {"rtol": 1e-10, "atol": 1e-10}
+    if dtype == torch.float32:
+        return {"rtol": 1e-4, "atol": 1e-4}
+    return {"rtol": 2e-2, "atol": 2e-2}
+
+
+def _explicit_patches(
+    x: torch.Tensor,
+    k: tuple[int, int],
+    s: tuple[int, int],
+    p: tuple[int, int],
+    d: tuple[int, int],
+    groups: int,
+    bias: bool,
+) -> torch.Tensor:
+    """Patch matrices built with explicit loops (no unfold)."""
+    n, c, h, w = x.shape
+    oh = (h + 2 * p[0] - d[0] * (k[0] - 1) - 1) // s[0] + 1
+    ow = (w + 2 * p[1] - d[1] * (k[1] - 1) - 1) // s[1] + 1
+    cg = c // groups
+    out = torch.zeros(groups, n * oh * ow, cg * k[0] * k[1] + int(bias), dtype=x.dtype)
+    for g in range(groups):
+        for row, (b, i, j) in enumerate(itertools.product(range(n), range(oh), range(ow))):
+            col = 0
+            for ch in range(g * cg, (g + 1) * cg):
+                for ki in range(k[0]):
+                    for kj in range(k[1]):
+                        ih = i * s[0] - p[0] + ki * d[0]
+                        iw = j * s[1] - p[1] + kj * d[1]
+                        if 0 <= ih < h and 0 <= iw < w:
+                            out[g, row, col] = x[b, ch, ih, iw]
+                        col += 1
+            if bias:
+                out[g, row, col] = 1.0
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Reference exactness (float64)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_covariance_exact(bias: bool) -> None:
+    x = torch.randn(37, 9, dtype=torch.float64)
+    xb = torch.cat([x, torch.ones(37, 1, dtype=torch.float64)], 1) if bias else x
+    expected = 0.25 * torch.einsum("ri,rj->ij", xb, xb)
+    got = ref.covariance(x, 0.25, bias=bias)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got, got.T)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((2, 4, 5, 6), (3, 3), (1, 1), (1, 1), (1, 1), 2),
+        ((1, 3, 7, 5), (2, 3), (2, 1), (0, 1), (1, 2), 1),
+        ((2, 3, 4, 4), (1, 1), (1, 1), (0, 0), (1, 1), 3),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_conv_patches_match_explicit_loops(case: Any, bias: bool) -> None:
+    shape, k, s, p, d, g = case
+    x = torch.randn(*shape, dtype=torch.float64)
+    expected = _explicit_patches(x, k, s, p, d, g, bias)
+    got = ref.conv_patches(x, k, s, p, d, g, bias)
+    assert torch.equal(got, expected)
+    cov = ref.conv_covariance(x, k, s, p, d, g, bias, 0.5)
+    torch.testing.assert_close(
+        cov, 0.5 * expected.transpose(1, 2) @ expected, rtol=1e-12, atol=1e-12
+    )
+    assert torch.equal(cov, cov.transpose(1, 2))
+
+
+def test_reference_conv_patches_column_order_matches_weight_view() -> None:
+    # conv2d(x, W) == P @ W.view(out, -1)^T for every group.
+    x = torch.randn(2, 4, 7, 6, dtype=torch.float64)
+    w = torch.randn(6, 2, 3, 2, dtype=torch.float64)
+    y = F.conv2d(x, w, stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=2)
+    p = ref.conv_patches(x, (3, 2), (2, 1), (1, 1), (1, 2), 2, False)
+    for g in range(2):
+        wg = w[3 * g : 3 * (g + 1)].reshape(3, -1)
+        yg = y[:, 3 * g : 3 * (g + 1)].permute(0, 2, 3, 1).reshape(-1, 3)
+        torch.testing.assert_close(p[g] @ wg.T, yg)
+
+
+def _kron_precondition(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    da: torch.Tensor,
+    dg: torch.Tensor,
+    damping: float,
+) -> torch.Tensor:
+    a = qa @ torch.diag(da) @ qa.T
+    g = qg @ torch.diag(dg) @ qg.T
+    m, n = grad.shape
+    mat = torch.kron(g, a) + damping * torch.eye(m * n, dtype=grad.dtype)
+    return torch.linalg.solve(mat, grad.reshape(-1)).reshape(m, n)
+
+
+def _random_eig(n: int, batch: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    q, _ = torch.linalg.qr(torch.randn(*batch, n, n, dtype=torch.float64))
+    d = torch.rand(*batch, n, dtype=torch.float64) + 0.1
+    return q, d
+
+
+def test_reference_eigen_precondition_matches_kron_inverse() -> None:
+    m, n, damping = 5, 7, 0.03
+    grad = torch.randn(m, n, dtype=torch.float64)
+    qa, da = _random_eig(n)
+    qg, dg = _random_eig(m)
+    expected = _kron_precondition(grad, qa, qg, da, dg, damping)
+    got = ref.eigen_precondition(grad, qa, qg, da, dg, None, damping)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    dgda = 1.0 / (dg[:, None] * da[None, :] + damping)
+    got2 = ref.eigen_precondition(grad, qa, qg, None, None, dgda, 0.0)
+    torch.testing.assert_close(got2, expected, rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- #
+# Both backends against explicit math
+# --------------------------------------------------------------------------- #
+
+
+def test_eigen_precondition_kron_both_backends(any_backend: str) -> None:
+    b, m, n, damping = 3, 4, 6, 0.1
+    grad = torch.randn(b, m, n, dtype=torch.float64)
+    qa, da = _random_eig(n, (b,))
+    qg, dg = _random_eig(m, (b,))
+    got = ops.eigen_precondition(grad, qa, qg, da=da, dg=dg, damping=damping)
+    for i in range(b):
+        expected = _kron_precondition(grad[i], qa[i], qg[i], da[i], dg[i], damping)
+        torch.testing.assert_close(got[i], expected, rtol=1e-10, atol=1e-10)
+    dgda = 1.0 / (dg[:, :, None] * da[:, None, :] + damping)
+    got2 = ops.eigen_precondition(grad, qa, qg, dgda=dgda)
+    torch.testing.assert_close(got2, got, rtol=1e-10, atol=1e-10)
+    # unbatched
+    got3 = ops.eigen_precondition(grad[1], qa[1], qg[1], da=da[1], dg=dg[1], damping=damping)
+    torch.testing.assert_close(got3, got[1], rtol=1e-10, atol=1e-10)
+
+
+def test_eigh_both_backends(any_backend: str) -> None:
+    a = torch.randn(3, 6, 6, dtype=torch.float64)
+    a = a @ a.transpose(1, 2)
+    vals, vecs = ops.eigh(a)
+    assert vals.shape == (3, 6) and vecs.shape == (3, 6, 6)
+    assert bool((vals[:, 1:] >= vals[:, :-1]).all())
+    torch.testing.assert_close(vecs @ torch.diag_embed(vals) @ vecs.transpose(1, 2), a)
+    vals2, _ = ops.eigh(a[0])
+    torch.testing.assert_close(vals2, torch.linalg.eigvalsh(a[0]))
+
+
+@pytest.mark.parametrize("case", CONV_CASES[:4])
+def test_conv_covariance_both_backends_exact_float64(any_backend: str, case: Any) -> None:
+    shape, k, s, p, d, g = case
+    x = torch.randn(*shape, dtype=torch.float64)
+    pats = _explicit_patches(x, k, s, p, d, g, True)
+    got = ops.conv_covariance(x, k, s, p, d, g, True, 0.125)
+    torch.testing.assert_close(got, 0.125 * pats.transpose(1, 2) @ pats, rtol=1e-10, atol=1e-10)
+    assert torch.equal(got, got.transpose(1, 2))
+
+
+# --------------------------------------------------------------------------- #
+# Extension vs reference
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+@pytest.mark.parametrize("shape", [(1, 1), (57, 13), (300, 131), (2000, 200)])
+def test_covariance_ext_matches_reference(
+    ext_backend: None, dtype: torch.dtype, bias: bool, layout: str, shape: tuple[int, int]
+) -> None:
+    rows, d = shape
+    if layout == "contiguous":
+        x = torch.randn(rows, d, dtype=dtype)
+    elif layout == "transposed":
+        x = torch.randn(d, rows, dtype=dtype).T
+    else:
+        x = torch.randn(2 * rows, 3 * d, dtype=dtype)[::2, ::3]
+    before = x.clone()
+    got = ops.covariance(x, 1.0 / rows, bias=bias)
+    expected = ref.covariance(x, 1.0 / rows, bias=bias)
+    assert got.dtype == dtype and got.shape == (d + bias, d + bias) and got.is_contiguous()
+    torch.testing.assert_close(got, expected, **_tol(dtype))
+    assert torch.equal(got, got.T)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_covariance_ext_low_precision(ext_backend: None, dtype: torch.dtype) -> None:
+    x = torch.randn(300, 40).to(dtype)
+    got = ops.covariance(x, 1 / 300, bias=True)
+    assert got.dtype == dtype
+    expected = ref.covariance(x.double(), 1 / 300, bias=True)
+    torch.testing.assert_close(got.double(), expected, **_tol(dtype))
+    assert torch.equal(got, got.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_covariance_ext_matches_reference(
+    ext_backend: None, dtype: torch.dtype, bias: bool, case: Any
+) -> None:
+    shape, k, s, p, d, g = case
+    x = torch.randn(*shape, dtype=dtype)
+    before = x.clone()
+    got = ops.conv_covariance(x, k, s, p, d, g, bias, 0.5)
+    expected = ref.conv_covariance(x, k, s, p, d, g, bias, 0.5)
+    assert got.shape == expected.shape and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, expected, **_tol(dtype))
+    assert torch.equal(got, got.transpose(1, 2))
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "sliced", "transposed_hw"])
+@pytest.mark.parametrize("case", [CONV_CASES[0], CONV_CASES[3], CONV_CASES[6]])
+def test_conv_covariance_ext_non_contiguous(ext_backend: None, layout: str, case: Any) -> None:
+    shape, k, s, p, d, g = case
+    n, c, h, w = shape
+    if layout == "channels_last":
+        x = torch.randn(*shape).contiguous(memory_format=torch.channels_last)
+    elif layout == "sliced":
+        x = torch.randn(n, 2 * c, h + 3, w + 1)[:, ::2, 1 : h + 1, :w]
+    else:
+        x = torch.randn(n, c, w, h).transpose(2, 3)
+    got = ops.conv_covariance(x, k, s, p, d, g, True, 1.0)
+    expected = ref.conv_covariance(x.contiguous(), k, s, p, d, g, True, 1.0)
+    torch.testing.assert_close(got, expected, **_tol(torch.float32))
+
+
+def test_conv_covariance_ext_multi_tile(ext_backend: None) -> None:
+    # Large enough for several im2col tiles (and worker accumulators).
+    x = torch.randn(24, 16, 40, 40, dtype=torch.float64)
+    got = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
+    expected = ref.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
+    torch.testing.assert_close(got, expected, **_tol(torch.float64))
+    torch.set_num_threads(1)
+    try:
+        got1 = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
+    finally:
+        torch.set_num_threads(os.cpu_count() or 1)
+    torch.testing.assert_close(got1, expected, **_tol(torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_conv_covariance_ext_low_precision(ext_backend: None, dtype: torch.dtype) -> None:
+    x = torch.randn(2, 4, 8, 8).to(dtype)
+    got = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 2, True, 1 / 128)
+    expected = ref.conv_covariance(x.double(), (3, 3), (1, 1), (1, 1), (1, 1), 2, True, 1 / 128)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, **_tol(dtype))
+
+
+# --------------------------------------------------------------------------- #
+# Running averages
+# --------------------------------------------------------------------------- #
+
+
+def _sym(n: int, batch: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    a = torch.randn(*batch, n, n, dtype=dtype)
+    return a + a.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("running_layout", ["contiguous", "transposed"])
+def test_covariance_ema(
+    any_backend: str, dtype: torch.dtype, bias: bool, running_layout: str
+) -> None:
+    x = torch.randn(500, 33, dtype=dtype)
+    d = 33 + bias
+    running = _sym(d, (), dtype)
+    if running_layout == "transposed":
+        running = running.T.contiguous().T  # non-contiguous storage, same values
+    old = running.clone()
+    x_before = x.clone()
+    ops.covariance_ema_(running, x, 0.002, bias=bias, rho=0.9)
+    batch = ref.covariance(x.double(), 0.002, bias=bias)
+    expected = 0.9 * old.double() + 0.1 * batch
+    torch.testing.assert_close(running.double(), expected, **_tol(dtype))
+    assert torch.equal(running, running.T)
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", [CONV_CASES[0], CONV_CASES[2], CONV_CASES[3], CONV_CASES[6]])
+def test_conv_covariance_ema(any_backend: str, dtype: torch.dtype, case: Any) -> None:
+    shape, k, s, p, d, g = case
+    x = torch.randn(*shape, dtype=dtype)
+    dim = shape[1] // g * k[0] * k[1] + 1
+    running = _sym(dim, (g,), dtype)
+    old = running.clone()
+    ops.conv_covariance_ema_(running, x, k, s, p, d, g, True, 0.01, 0.75)
+    batch = ref.conv_covariance(x.double(), k, s, p, d, g, True, 0.01)
+    torch.testing.assert_close(running.double(), 0.75 * old.double() + 0.25 * batch, **_tol(dtype))
+    assert torch.equal(running, running.transpose(1, 2))
+
+
+def test_ema_mixed_dtypes(any_backend: str) -> None:
+    # float64 running fed with float32 activations, and float32 running with half x.
+    x = torch.randn(64, 10)
+    running = _sym(11, (), torch.float64)
+    old = running.clone()
+    ops.covariance_ema_(running, x, 1.0, bias=True, rho=0.5)
+    torch.testing.assert_close(
+        running, 0.5 * old + 0.5 * ref.covariance(x.double(), 1.0, bias=True), **_tol(torch.float32)
+    )
+    xc = torch.randn(2, 3, 6, 6).half()
+    run32 = torch.zeros(1, 27, 27)
+    ops.conv_covariance_ema_(run32, xc, (3, 3), (1, 1), (1, 1), (1, 1), 1, False, 1.0, 0.0)
+    expected = ref.conv_covariance(xc.double(), (3, 3), (1, 1), (1, 1), (1, 1), 1, False, 1.0)
+    torch.testing.assert_close(run32.double(), expected, rtol=1e-4, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- #
+# eigen_precondition / eigh: extension vs reference
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("mode", ["dadg", "dgda"])
+def test_eigen_precondition_ext_matches_reference(
+    ext_backend: None, dtype: torch.dtype, batched: bool, mode: str
+) -> None:
+    b = (2,) if batched else ()
+    m, n = 17, 29
+    grad = torch.randn(*b, m, n, dtype=dtype)
+    qa, da = (t.to(dtype) for t in _random_eig(n, b))
+    qg, dg = (t.to(dtype) for t in _random_eig(m, b))
+    inputs = [grad, qa, qg, da, dg]
+    before = [t.clone() for t in inputs]
+    if mode == "dadg":
+        got = ops.eigen_precondition(grad, qa, qg, da=da, dg=dg, damping=0.01)
+        expected = ref.eigen_precondition(grad, qa, qg, da, dg, None, 0.01)
+    else:
+        dgda = 1.0 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + 0.01)
+        got = ops.eigen_precondition(
+            grad, qa.transpose(-1, -2).contiguous().transpose(-1, -2), qg, dgda=dgda
+        )
+        expected = ref.eigen_precondition(grad, qa, qg, None, None, dgda, 0.0)
+    assert got.shape == grad.shape and got.dtype == dtype
+    torch.testing.assert_close(got, expected, **_tol(dtype))
+    for t, t0 in zip(inputs, before, strict=True):
+        assert torch.equal(t, t0)
+
+
+def test_eigh_ext_matches_torch(ext_backend: None) -> None:
+    a = torch.randn(4, 20, 20)
+    a = a + a.transpose(1, 2)
+    a0 = a.clone()
+    vals, vecs = ops.eigh(a)
+    evals, _ = torch.linalg.eigh(a)
+    torch.testing.assert_close(vals, evals, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        vecs @ torch.diag_embed(vals) @ vecs.transpose(1, 2), a, rtol=1e-4, atol=1e-4
+    )
+    assert vecs.is_contiguous() and vals.is_contiguous()
+    assert torch.equal(a, a0)
+
+
+# --------------------------------------------------------------------------- #
+# Validation
+# --------------------------------------------------------------------------- #
+
+_CONV_OK: dict[str, Any] = {
+    "kernel_size": (3, 3),
+    "stride": (1, 1),
+    "padding": (1, 1),
+    "dilation": (1, 1),
+    "groups": 1,
+    "bias": False,
+    "scale": 1.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("x", "overrides", "exc", "match"),
+    [
+        (torch.randn(2, 4, 5), {}, ValueError, "x must be 4-D"),
+        (torch.ones(1, 4, 5, 5, dtype=torch.int64), {}, TypeError, "floating point"),
+        (torch.randn(1, 4, 5, 5), {"groups": 3}, ValueError, "groups=3 must divide"),
+        (torch.randn(1, 4, 5, 5), {"kernel_size": (0, 3)}, ValueError, "kernel_size"),
+        (torch.randn(1, 4, 5, 5), {"stride": (1,)}, ValueError, "stride"),
+        (torch.randn(1, 4, 5, 5), {"padding": (-1, 0)}, ValueError, "padding"),
+        (torch.randn(1, 4, 2, 2), {"padding": (0, 0)}, ValueError, "kernel extent"),
+    ],
+)
+def test_conv_covariance_bad_inputs(
+    any_backend: str, x: torch.Tensor, overrides: dict[str, Any], exc: type, match: str
+) -> None:
+    before = x.clone()
+    with pytest.raises(exc, match=match):
+        ops.conv_covariance(x, **{**_CONV_OK, **overrides})
+    assert torch.equal(x, before)
+
+
+def test_covariance_bad_inputs(any_backend: str) -> None:
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        ops.covariance(torch.randn(3), 1.0)
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        ops.covariance([[1.0]], 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="scale"):
+        ops.covariance(torch.randn(3, 2), "1")  # type: ignore[arg-type]
+    running = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="running must have shape"):
+        ops.covariance_ema_(running, torch.randn(5, 3), 1.0, bias=True, rho=0.5)
+    assert torch.equal(running, torch.zeros(3, 3))
+    run_conv = torch.zeros(2, 5, 5)
+    with pytest.raises(ValueError, match="running must have shape"):
+        ops.conv_covariance_ema_(
+            run_conv, torch.randn(1, 2, 4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 2, False, 1.0, 0.5
+        )
+    assert torch.equal(run_conv, torch.zeros(2, 5, 5))
+
+
+def test_eigen_precondition_bad_inputs(any_backend: str) -> None:
+    grad = torch.randn(3, 4)
+    qa, da = torch.eye(4), torch.ones(4)
+    qg, dg = torch.eye(3), torch.ones(3)
+    dgda = torch.ones(3, 4)
+    inputs = [grad, qa, qg, da, dg, dgda]
+    before = [t.clone() for t in inputs]
+    with pytest.raises(ValueError, match="one of"):
+        ops.eigen_precondition(grad, qa, qg)
+    with pytest.raises(ValueError, match="not both"):
+        ops.eigen_precondition(grad, qa, qg, da=da, dg=dg, dgda=dgda)
+    with pytest.raises(ValueError, match="together"):
+        ops.eigen_precondition(grad, qa, qg, da=da)
+    with pytest.raises(ValueError, match="qa must have shape"):
+        ops.eigen_precondition(grad, qg, qg, da=da, dg=dg)
+    with pytest.raises(ValueError, match="qg must have shape"):
+        ops.eigen_precondition(grad, qa, qa, da=da, dg=dg)
+    with pytest.raises(ValueError, match="da must have shape"):
+        ops.eigen_precondition(grad, qa, qg, da=dg, dg=dg)
+    with pytest.raises(ValueError, match="dgda must have the shape"):
+        ops.eigen_precondition(grad, qa, qg, dgda=dgda.T)
+    with pytest.raises(ValueError, match="dtype"):
+        ops.eigen_precondition(grad, qa.double(), qg, da=da, dg=dg)
+    with pytest.raises(ValueError, match="grad must be 2 or 3-D"):
+        ops.eigen_precondition(grad[0], qa, qg, da=da, dg=dg)
+    with pytest.raises(ValueError, match="a must hold square"):
+        ops.eigh(torch.randn(2, 3, 4))
+    for t, t0 in zip(inputs, before, strict=True):
+        assert torch.equal(t, t0)
+
+
+@needs_ext
+def test_kernels_raise_clear_errors_when_called_directly() -> None:
+    k = torch.ops.kaisa
+    with pytest.raises(RuntimeError, match="x must be 2-D"):
+        k.covariance(torch.randn(3), 1.0, False)
+    with pytest.raises(RuntimeError, match="groups"):
+        k.conv_covariance(torch.randn(1, 4, 5, 5), [3, 3], [1, 1], [1, 1], [1, 1], 3, False, 1.0)
+    with pytest.raises(RuntimeError, match="running must have shape"):
+        k.covariance_ema_(torch.zeros(2, 2), torch.randn(4, 3), 1.0, False, 0.5)
+    with pytest.raises(RuntimeError, match="one of"):
+        k.eigen_precondition(torch.randn(3, 4), torch.eye(4), torch.eye(3), None, None, None, 0.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        k.eigen_precondition(
+            torch.randn(3, 4),
+            torch.eye(4).double(),
+            torch.eye(3),
+            None,
+            None,
+            torch.ones(3, 4),
+            0.0,
+        )
+    with pytest.raises(RuntimeError, match="square"):
+        k.batched_eigh(torch.randn(2, 3))
+
+
+# --------------------------------------------------------------------------- #
+# torch.library integration
+# --------------------------------------------------------------------------- #
+
+
+def _opcheck_cases() -> list[tuple[str, tuple[Any, ...]]]:
+    x2 = torch.randn(20, 6)
+    x4 = torch.randn(2, 4, 6, 5)
+    grad = torch.randn(2, 3, 4)
+    da, qa = torch.linalg.eigh(torch.eye(4).repeat(2, 1, 1) * 2)
+    dg, qg = torch.linalg.eigh(torch.eye(3).repeat(2, 1, 1) * 3)
+    a = torch.randn(3, 5, 5)
+    return [
+        ("covariance", (x2, 0.5, True)),
+        ("conv_covariance", (x4, [3, 3], [2, 1], [1, 1], [1, 1], 2, True, 0.5)),
+        ("covariance_ema_", (torch.eye(7), x2, 0.5, True, 0.9)),
+        (
+            "conv_covariance_ema_",
+            (torch.eye(19).repeat(2, 1, 1), x4, [3, 3], [1, 1], [1, 1], [1, 1], 2, True, 0.5, 0.9),
+        ),
+        ("eigen_precondition", (grad, qa, qg, da, dg, None, 0.1)),
+        ("eigen_precondition", (grad, qa, qg, None, None, torch.rand(2, 3, 4), 0.0)),
+        ("batched_eigh", (a + a.transpose(1, 2),)),
+    ]
+
+
+@needs_ext
+@pytest.mark.parametrize(("name", "args"), _opcheck_cases(), ids=lambda v: str(v)[:24])
+def test_opcheck(name: str, args: tuple[Any, ...]) -> None:
+    op = getattr(torch.ops.kaisa, name).default
+    torch.library.opcheck(op, args)
+
+
+@needs_ext
+def test_torch_compile_fullgraph(ext_backend: None) -> None:
+    def step(x: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        ops.conv_covariance_ema_(running, x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 0.1, 0.9)
+        vals, vecs = ops.eigh(running)
+        return ops.eigen_precondition(
+            torch.ones(1, 28, 28), vecs, vecs, da=vals, dg=vals, damping=0.1
+        )
+
+    x = torch.randn(2, 3, 6, 6)
+    r1 = torch.eye(28).unsqueeze(0)
+    r2 = r1.clone()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(x, r1)
+    expected = step(x, r2)
+    torch.testing.assert_close(r1, r2)
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- #
+# Backend selection
+# --------------------------------------------------------------------------- #
+
+
+def test_set_backend_and_context_manager() -> None:
+    original = ops.backend()
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.set_backend("cuda")
+    with ops.use_backend("torch"):
+        assert ops.backend() == "torch"
+    assert ops.backend() == original
+    with pytest.raises(RuntimeError, match="boom"), ops.use_backend("torch"):
+        raise RuntimeError("boom")
+    assert ops.backend() == original
+
+
+def test_set_backend_ext_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "_EXT_ERROR", "ImportError: simulated")
+    assert not ops.extension_available()
+    assert ops.extension_error() == "ImportError: simulated"
+    with pytest.raises(RuntimeError, match="simulated"):
+        ops.set_backend("ext")
+
+
+def test_backends_agree() -> None:
+    x = torch.randn(100, 12, dtype=torch.float64)
+    with ops.use_backend("torch"):
+        a = ops.covariance(x, 0.1, bias=True)
+    if HAS_EXT:
+        with ops.use_backend("ext"):
+            b = ops.covariance(x, 0.1, bias=True)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+_BLOCK_EXT = "import sys; sys.modules['kaisa._C'] = None\n"
+
+
+def _run_import(env_value: str | None, block_ext: bool) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(
+        """
+        import warnings
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:
+            import kaisa.ops as ops
+        msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+                and "kaisa._C" in str(w.message)]
+        print("BACKEND", ops.backend(), "WARNINGS", len(msgs))
+        for m in msgs:
+            print("MSG", m)
+        """
+    )
+    env = dict(os.environ)
+    env.pop("KAISA_BACKEND", None)
+    if env_value is not None:
+        env["KAISA_BACKEND"] = env_value
+    prefix = _BLOCK_EXT if block_ext else ""
+    return subprocess.run(
+        [sys.executable, "-c", prefix + code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_env_torch_forces_reference() -> None:
+    res = _run_import("torch", block_ext=False)
+    assert res.returncode == 0, res.stderr
+    assert "BACKEND torch WARNINGS 0" in res.stdout
+
+
+def test_env_invalid_value() -> None:
+    res = _run_import("gpu", block_ext=False)
+    assert res.returncode != 0
+    assert "ValueError" in res.stderr and "KAISA_BACKEND" in res.stderr
+
+
+def test_env_ext_without_extension_raises() -> None:
+    res = _run_import("ext", block_ext=True)
+    assert res.returncode != 0
+    assert "ImportError" in res.stderr and "kaisa._C" in res.stderr
+
+
+def test_fallback_warns_once_without_extension() -> None:
+    res = _run_import(None, block_ext=True)
+    assert res.returncode == 0, res.stderr
+    assert "BACKEND torch WARNINGS 1" in res.stdout
+    assert "falling back" in res.stdout
+
+
+@needs_ext
+def test_default_uses_extension_when_available() -> None:
+    res = _run_import(None, block_ext=False)
+    assert res.returncode == 0, res.stderr
+    assert "BACKEND ext WARNINGS 0" in res.stdout
+    res = _run_import("ext", block_ext=False)
+    assert res.returncode == 0, res.stderr
+    assert "BACKEND ext WARNINGS 0" in res.stdout
