@@ -244,6 +244,14 @@ def test_covariance_ext_matches_reference(
     assert torch.equal(x, before)
 
 
+def test_empty_inputs(any_backend: str) -> None:
+    got = ops.covariance(torch.randn(0, 4), 1.0, bias=True)
+    assert torch.equal(got, torch.zeros(5, 5))
+    x = torch.randn(0, 4, 5, 5)
+    got = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 2, True, 1.0)
+    assert torch.equal(got, torch.zeros(2, 19, 19))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_covariance_ext_low_precision(ext_backend: None, dtype: torch.dtype) -> None:
     x = torch.randn(300, 40).to(dtype)
@@ -293,11 +301,12 @@ def test_conv_covariance_ext_multi_tile(ext_backend: None) -> None:
     got = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
     expected = ref.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
     torch.testing.assert_close(got, expected, **_tol(torch.float64))
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         got1 = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
     finally:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(threads)
     torch.testing.assert_close(got1, expected, **_tol(torch.float64))
 
 
@@ -353,6 +362,29 @@ def test_conv_covariance_ema(any_backend: str, dtype: torch.dtype, case: Any) ->
     batch = ref.conv_covariance(x.double(), k, s, p, d, g, True, 0.01)
     torch.testing.assert_close(running.double(), 0.75 * old.double() + 0.25 * batch, **_tol(dtype))
     assert torch.equal(running, running.transpose(1, 2))
+
+
+@pytest.mark.parametrize("view", ["contiguous_slice", "strided_window"])
+def test_ema_leaves_memory_around_running_untouched(any_backend: str, view: str) -> None:
+    # running is a view into a NaN-poisoned buffer: only the view may change.
+    x = torch.randn(2, 4, 7, 7, dtype=torch.float64)
+    g, d = 2, 2 * 9 + 1
+    outside = torch.ones(g + 2, d + 3, d + 3, dtype=torch.bool)
+    if view == "contiguous_slice":  # fused path (contiguous running)
+        outside = outside[:, :d, :d].contiguous()
+        window: tuple[slice, ...] = (slice(1, 1 + g),)
+    else:  # non-contiguous running
+        window = (slice(1, 1 + g), slice(1, -2), slice(2, -1))
+    big = torch.full(outside.shape, float("nan"), dtype=torch.float64)
+    outside[window] = False
+    running = big[window]
+    assert running.is_contiguous() == (view == "contiguous_slice")
+    init = _sym(d, (g,), torch.float64)
+    running.copy_(init)
+    ops.conv_covariance_ema_(running, x, (3, 3), (1, 1), (1, 1), (1, 1), 2, True, 0.5, 0.9)
+    assert bool(big[outside].isnan().all())
+    batch = ref.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 2, True, 0.5)
+    torch.testing.assert_close(running, 0.9 * init + 0.1 * batch, rtol=1e-12, atol=1e-12)
 
 
 def test_ema_mixed_dtypes(any_backend: str) -> None:
@@ -599,11 +631,29 @@ def test_set_backend_and_context_manager() -> None:
 
 
 def test_set_backend_ext_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "_EXT_ERROR", "ImportError: simulated")
+    monkeypatch.setattr(ops._backend, "_EXT_ERROR", "ImportError: simulated")
     assert not ops.extension_available()
     assert ops.extension_error() == "ImportError: simulated"
     with pytest.raises(RuntimeError, match="simulated"):
         ops.set_backend("ext")
+
+
+def test_meta_tensors(any_backend: str) -> None:
+    x = torch.randn(2, 4, 6, 5, device="meta")
+    out = ops.conv_covariance(x, (3, 3), (2, 1), (1, 1), (1, 1), 2, True, 1.0)
+    assert out.shape == (2, 19, 19) and out.device.type == "meta"
+    vals, vecs = ops.eigh(torch.empty(3, 5, 5, device="meta"))
+    assert vals.shape == (3, 5) and vecs.shape == (3, 5, 5)
+
+
+def test_ext_without_device_kernel_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops._backend, "_BACKEND", "ext")
+    monkeypatch.setattr(ops._backend, "_DEVICE_KEYS", {})
+    monkeypatch.setattr(ops._backend, "_WARNED_NO_KERNEL", set())
+    x = torch.randn(10, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="no cpu kernel for covariance"):
+        got = ops.covariance(x, 1.0)
+    torch.testing.assert_close(got, ref.covariance(x, 1.0))
 
 
 def test_backends_agree() -> None:

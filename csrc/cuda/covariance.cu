@@ -1,0 +1,539 @@
+// Fused (implicit-GEMM) covariance kernels for K-FAC factors.
+//
+//   covariance(x, scale, bias)            = scale * Xb^T Xb,        Xb = [x | 1]
+//   conv_covariance(x, k, s, p, d, g, ...) = scale * Pb_k^T Pb_k,   per group k
+//   *_ema_(running, ...)                  : running = rho*running + (1-rho)*cov
+//
+// Pb is the im2col patch matrix exactly as F.unfold builds it (zero padding;
+// columns: channel slowest, then kernel row, then kernel column; ones column
+// last when bias). It is never materialised: each thread block owns one
+// 64x64 tile of the (symmetric) output, only for tile pairs (bi <= bj), and
+// gathers the patch elements it needs for a 32-row slab straight from the
+// input into shared memory (converted to the accumulator type), then does a
+// register-blocked 4x4 outer-product update. Rows are optionally split over
+// gridDim.z ("split-K") when there are too few tiles to fill the GPU; each
+// split writes its partial tile to a workspace and a second, tiled kernel sums
+// the splits in a fixed order (deterministic), applies scale / the EMA, casts
+// to the output dtype and mirrors the upper tiles into the lower triangle
+// (exactly symmetric result). See docs/cuda-kernels.md.
+#include "common.cuh"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace kaisa::cuda {
+namespace {
+
+constexpr int kTile = 64;                 // output tile edge (columns of P)
+constexpr int kChunk = 32;                // rows of P per shared-memory slab
+constexpr int kThreads = 256;             // 16 x 16 threads
+constexpr int kThreadsPerDim = 16;        // kTile / kMicro
+constexpr int kMicro = kTile / kThreadsPerDim;  // 4x4 outputs per thread
+constexpr int kPad = 1;                   // smem padding: conflict-free column writes
+constexpr int kMinChunksPerSplit = 8;     // >= 256 rows per split
+constexpr int64_t kMaxWorkspaceBytes = int64_t{512} << 20;
+
+// Column-descriptor sentinels.
+constexpr int64_t kBiasColumn = -1;
+constexpr int64_t kZeroColumn = -2;
+
+static_assert(kMicro * kThreadsPerDim == kTile, "tile / micro-tile mismatch");
+static_assert(kThreadsPerDim * kThreadsPerDim == kThreads, "block shape mismatch");
+static_assert(kThreads % kChunk == 0 && kThreads % kTile == 0, "loader mapping");
+static_assert((kChunk * kTile) % kThreads == 0, "loader mapping");
+
+// Geometry of the implicit patch matrix P (rows x d). For the linear case
+// only rows / d_data / bias are used and P = x (rows, d_data) row-major.
+struct Geom {
+  int64_t rows = 0;    // rows of P: N*Ho*Wo (conv) or x.size(0) (linear)
+  int d = 0;           // columns of P including the bias column
+  int d_data = 0;      // columns of P excluding the bias column
+  bool bias = false;
+  // conv only
+  int C = 0, H = 0, W = 0, Cg = 0;
+  int kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0, dh = 1, dw = 1;
+  int Ho = 1, Wo = 1;
+};
+
+// Tile-pair index -> (bi, bj), bi <= bj, row-major over the upper triangle.
+__device__ __forceinline__ void decode_pair(int pair, int n_tiles, int& bi, int& bj) {
+  int b = 0;
+  int rem = pair;
+  while (rem >= n_tiles - b) {
+    rem -= n_tiles - b;
+    ++b;
+  }
+  bi = b;
+  bj = b + rem;
+}
+
+// Partial (unscaled) Gram tiles. grid = (tile pairs, groups, splits).
+// ws layout: [split][group][d][d]; only tiles (bi <= bj) are written.
+template <typename scalar_t, typename acc_t, bool kConv>
+__global__ void __launch_bounds__(kThreads)
+    gram_tile_kernel(const scalar_t* __restrict__ x, const Geom g, acc_t* __restrict__ ws,
+                     const int n_tiles, const int64_t chunks_per_split) {
+  __shared__ acc_t As[kChunk][kTile + kPad];
+  __shared__ acc_t Bs[kChunk][kTile + kPad];
+  // conv: per-column channel offset (or sentinel) and kernel-tap offsets for
+  // the 2*kTile columns of the two tiles (A columns first, then B columns).
+  __shared__ int64_t col_off[2 * kTile];
+  __shared__ int col_dh[2 * kTile];
+  __shared__ int col_dw[2 * kTile];
+  // conv: per-row sample offset (-1: row past the end), top-left input pixel.
+  __shared__ int64_t row_base[kChunk];
+  __shared__ int row_h[kChunk];
+  __shared__ int row_w[kChunk];
+
+  const int tid = threadIdx.x;
+  const int tx = tid % kThreadsPerDim;
+  const int ty = tid / kThreadsPerDim;
+  const int group = blockIdx.y;
+  const int split = blockIdx.z;
+
+  int bi, bj;
+  decode_pair(blockIdx.x, n_tiles, bi, bj);
+  const bool diag = bi == bj;
+  const int i0 = bi * kTile;
+  const int j0 = bj * kTile;
+
+  const int64_t total_chunks = ceil_div<int64_t>(g.rows, kChunk);
+  const int64_t c_begin = static_cast<int64_t>(split) * chunks_per_split;
+  const int64_t c_end = std::min<int64_t>(c_begin + chunks_per_split, total_chunks);
+
+  if constexpr (kConv) {
+    if (tid < 2 * kTile) {
+      const int c = tid < kTile ? i0 + tid : j0 + (tid - kTile);
+      const int taps = g.kh * g.kw;
+      int64_t off = kZeroColumn;
+      int oh = 0, ow = 0;
+      if (c < g.d_data) {
+        const int ch = c / taps;
+        const int t = c - ch * taps;
+        const int ki = t / g.kw;
+        const int kj = t - ki * g.kw;
+        off = (static_cast<int64_t>(group) * g.Cg + ch) * g.H * g.W;
+        oh = ki * g.dh;
+        ow = kj * g.dw;
+      } else if (g.bias && c == g.d_data) {
+        off = kBiasColumn;
+      }
+      col_off[tid] = off;
+      col_dh[tid] = oh;
+      col_dw[tid] = ow;
+    }
+  }
+
+  acc_t acc[kMicro][kMicro];
+#pragma unroll
+  for (int m = 0; m < kMicro; ++m) {
+#pragma unroll
+    for (int n = 0; n < kMicro; ++n) acc[m][n] = acc_t(0);
+  }
+
+  const int64_t CHW = static_cast<int64_t>(g.C) * g.H * g.W;
+  const int64_t HoWo = static_cast<int64_t>(g.Ho) * g.Wo;
+
+  for (int64_t chunk = c_begin; chunk < c_end; ++chunk) {
+    const int64_t r0 = chunk * kChunk;
+    if constexpr (kConv) {
+      if (tid < kChunk) {
+        const int64_t r = r0 + tid;
+        if (r < g.rows) {
+          const int64_t n = r / HoWo;
+          const int64_t p = r - n * HoWo;
+          const int oh = static_cast<int>(p / g.Wo);
+          const int ow = static_cast<int>(p - static_cast<int64_t>(oh) * g.Wo);
+          row_base[tid] = n * CHW;
+          row_h[tid] = oh * g.sh - g.ph;
+          row_w[tid] = ow * g.sw - g.pw;
+        } else {
+          row_base[tid] = -1;
+          row_h[tid] = 0;
+          row_w[tid] = 0;
+        }
+      }
+      // Also orders this slab's smem writes after the previous slab's reads
+      // (see the trailing __syncthreads) and the column set-up above.
+      __syncthreads();
+    }
+
+    // Gather one operand slab: S[k][c] = P[r0 + k][col0 + c].
+    auto load = [&](acc_t(*S)[kTile + kPad], const int col0, const int cdesc) {
+      if constexpr (kConv) {
+        // consecutive threads walk consecutive rows (output pixels): the
+        // input reads are contiguous for stride 1 along the width.
+#pragma unroll
+        for (int it = 0; it < (kChunk * kTile) / kThreads; ++it) {
+          const int k = tid % kChunk;
+          const int c = tid / kChunk + it * (kThreads / kChunk);
+          acc_t v = acc_t(0);
+          const int64_t rb = row_base[k];
+          if (rb >= 0) {
+            const int64_t off = col_off[cdesc + c];
+            if (off >= 0) {
+              const int ih = row_h[k] + col_dh[cdesc + c];
+              const int iw = row_w[k] + col_dw[cdesc + c];
+              if (static_cast<unsigned>(ih) < static_cast<unsigned>(g.H) &&
+                  static_cast<unsigned>(iw) < static_cast<unsigned>(g.W)) {
+                v = to_acc<acc_t>(x[rb + off + static_cast<int64_t>(ih) * g.W + iw]);
+              }
+            } else if (off == kBiasColumn) {
+              v = acc_t(1);
+            }
+          }
+          S[k][c] = v;
+        }
+      } else {
+        (void)cdesc;
+        // consecutive threads walk consecutive columns of a row of x.
+#pragma unroll
+        for (int it = 0; it < (kChunk * kTile) / kThreads; ++it) {
+          const int c = tid % kTile;
+          const int k = tid / kTile + it * (kThreads / kTile);
+          const int64_t r = r0 + k;
+          const int col = col0 + c;
+          acc_t v = acc_t(0);
+          if (r < g.rows) {
+            if (col < g.d_data) {
+              v = to_acc<acc_t>(x[r * g.d_data + col]);
+            } else if (g.bias && col == g.d_data) {
+              v = acc_t(1);
+            }
+          }
+          S[k][c] = v;
+        }
+      }
+    };
+
+    load(As, i0, 0);
+    if (!diag) load(Bs, j0, kTile);
+    __syncthreads();
+
+    // Diagonal tiles reuse the A slab: acc[m][n] and its mirror are then the
+    // same FMA sequence with swapped (commuting) operands, i.e. bit-identical.
+    acc_t(*Bp)[kTile + kPad] = diag ? As : Bs;
+#pragma unroll 8
+    for (int k = 0; k < kChunk; ++k) {
+      acc_t a[kMicro], b[kMicro];
+#pragma unroll
+      for (int m = 0; m < kMicro; ++m) a[m] = As[k][ty + m * kThreadsPerDim];
+#pragma unroll
+      for (int n = 0; n < kMicro; ++n) b[n] = Bp[k][tx + n * kThreadsPerDim];
+#pragma unroll
+      for (int m = 0; m < kMicro; ++m) {
+#pragma unroll
+        for (int n = 0; n < kMicro; ++n) acc[m][n] = fma(a[m], b[n], acc[m][n]);
+      }
+    }
+    __syncthreads();
+  }
+
+  acc_t* out = ws + (static_cast<int64_t>(split) * gridDim.y + group) * g.d * g.d;
+#pragma unroll
+  for (int m = 0; m < kMicro; ++m) {
+    const int i = i0 + ty + m * kThreadsPerDim;
+    if (i >= g.d) continue;
+#pragma unroll
+    for (int n = 0; n < kMicro; ++n) {
+      const int j = j0 + tx + n * kThreadsPerDim;
+      if (j < g.d) out[static_cast<int64_t>(i) * g.d + j] = acc[m][n];
+    }
+  }
+}
+
+constexpr int kFinTile = 32;
+constexpr int kFinRows = 8;  // block = 32 x 8 threads, 4 rows each
+
+// out[g][i][j] = scale * sum_s ws[s][g][min(i,j)][max(i,j)]   (kEma: blended
+// with the old value, rho*old + (1-rho)*new; old not read when !read_old).
+// grid = (ceil(d/32), ceil(d/32), groups); each block owns one 32x32 output
+// tile and reads the mirrored source tile through shared memory so both the
+// reads and the writes stay coalesced.
+template <typename acc_t, typename out_t, bool kEma>
+__global__ void __launch_bounds__(kFinTile* kFinRows)
+    finalize_kernel(const acc_t* __restrict__ ws, out_t* __restrict__ out, const int d,
+                    const int splits, const acc_t scale, const acc_t rho, const bool read_old) {
+  __shared__ acc_t tile[kFinTile][kFinTile + 1];
+  const int groups = gridDim.z;
+  const int group = blockIdx.z;
+  const int ti = blockIdx.y;
+  const int tj = blockIdx.x;
+  const bool upper = ti <= tj;
+  // source tile (in the computed upper region)
+  const int si0 = (upper ? ti : tj) * kFinTile;
+  const int sj0 = (upper ? tj : ti) * kFinTile;
+  const int64_t dd = static_cast<int64_t>(d) * d;
+
+  for (int r = threadIdx.y; r < kFinTile; r += kFinRows) {
+    const int i = si0 + r;
+    const int j = sj0 + threadIdx.x;
+    acc_t s = acc_t(0);
+    if (i < d && j < d) {
+      const acc_t* p = ws + static_cast<int64_t>(group) * dd + static_cast<int64_t>(i) * d + j;
+      for (int sp = 0; sp < splits; ++sp) s += p[static_cast<int64_t>(sp) * groups * dd];
+    }
+    tile[r][threadIdx.x] = s;
+  }
+  __syncthreads();
+
+  out_t* o = out + static_cast<int64_t>(group) * dd;
+  for (int r = threadIdx.y; r < kFinTile; r += kFinRows) {
+    const int i = ti * kFinTile + r;
+    const int j = tj * kFinTile + threadIdx.x;
+    if (i >= d || j >= d) continue;
+    // element (min(i,j), max(i,j)) in source-tile coordinates
+    const int a = i <= j ? i : j;
+    const int b = i <= j ? j : i;
+    const acc_t v = scale * tile[a - si0][b - sj0];
+    const int64_t e = static_cast<int64_t>(i) * d + j;
+    if constexpr (kEma) {
+      const acc_t old = read_old ? to_acc<acc_t>(o[e]) : acc_t(0);
+      o[e] = from_acc<out_t>(rho * old + (acc_t(1) - rho) * v);
+    } else {
+      o[e] = from_acc<out_t>(v);
+    }
+  }
+}
+
+// Runs the Gram kernel for x with geometry g over `groups` groups and writes
+// the finished (groups, d, d) result into `out` (contiguous, on x's device):
+// out = scale*cov, or (ema) out = rho*out + (1-rho)*scale*cov.
+void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, bool conv,
+               at::Tensor& out, bool ema, double rho) {
+  TORCH_INTERNAL_ASSERT(out.is_contiguous());
+  if (g.d == 0 || groups == 0) return;
+  TORCH_CHECK(groups <= 65535, "kaisa: at most 65535 groups are supported, got ", groups);
+  const int n_tiles = ceil_div(g.d, kTile);
+  const int64_t pairs = static_cast<int64_t>(n_tiles) * (n_tiles + 1) / 2;
+  const int64_t total_chunks = ceil_div<int64_t>(g.rows, kChunk);
+  const bool dbl = x.scalar_type() == at::kDouble;
+  const int64_t acc_bytes = dbl ? 8 : 4;
+  const int64_t slab_bytes = static_cast<int64_t>(groups) * g.d * g.d * acc_bytes;
+
+  // Split rows over gridDim.z until ~4 blocks per SM exist, keeping >= 256
+  // rows per split and the workspace bounded.
+  const int64_t blocks = pairs * groups;
+  const int64_t target = 4 * static_cast<int64_t>(sm_count());
+  int64_t splits = std::max<int64_t>(1, ceil_div<int64_t>(target, blocks));
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, total_chunks / kMinChunksPerSplit));
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, kMaxWorkspaceBytes / slab_bytes));
+  splits = std::min<int64_t>(splits, 65535);
+  int64_t chunks_per_split = ceil_div<int64_t>(total_chunks, splits);
+  if (chunks_per_split > 0) splits = ceil_div<int64_t>(total_chunks, chunks_per_split);
+  splits = std::max<int64_t>(splits, 1);
+
+  at::Tensor ws = at::empty({splits, groups, g.d, g.d}, x.options().dtype(dbl ? at::kDouble
+                                                                              : at::kFloat));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>(pairs), static_cast<unsigned>(groups),
+                  static_cast<unsigned>(splits));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "kaisa_gram_tile", [&] {
+        using acc_t = acc_type_t<scalar_t>;
+        if (conv) {
+          gram_tile_kernel<scalar_t, acc_t, true><<<grid, kThreads, 0, stream>>>(
+              x.const_data_ptr<scalar_t>(), g, ws.mutable_data_ptr<acc_t>(), n_tiles,
+              chunks_per_split);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        } else {
+          gram_tile_kernel<scalar_t, acc_t, false><<<grid, kThreads, 0, stream>>>(
+              x.const_data_ptr<scalar_t>(), g, ws.mutable_data_ptr<acc_t>(), n_tiles,
+              chunks_per_split);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      });
+
+  const int ft = ceil_div(g.d, kFinTile);
+  const dim3 fgrid(static_cast<unsigned>(ft), static_cast<unsigned>(ft),
+                   static_cast<unsigned>(groups));
+  const dim3 fblock(kFinTile, kFinRows);
+  // The old value is always read (rho * old, also for rho == 0) to match the
+  // reference and CPU kernels, where a non-finite running value propagates.
+  const bool read_old = ema;
+  AT_DISPATCH_FLOATING_TYPES(ws.scalar_type(), "kaisa_gram_finalize_acc", [&] {
+    using acc_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, out.scalar_type(), "kaisa_gram_finalize_out", [&] {
+          using out_t = scalar_t;
+          if (ema) {
+            finalize_kernel<acc_t, out_t, true><<<fgrid, fblock, 0, stream>>>(
+                ws.const_data_ptr<acc_t>(), out.mutable_data_ptr<out_t>(), g.d,
+                static_cast<int>(splits), static_cast<acc_t>(scale), static_cast<acc_t>(rho),
+                read_old);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          } else {
+            finalize_kernel<acc_t, out_t, false><<<fgrid, fblock, 0, stream>>>(
+                ws.const_data_ptr<acc_t>(), out.mutable_data_ptr<out_t>(), g.d,
+                static_cast<int>(splits), static_cast<acc_t>(scale), acc_t(0), false);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          }
+        });
+  });
+}
+
+void check_input_dtype(const at::Tensor& x, const char* op) {
+  const auto st = x.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
+              "kaisa::", op, ": unsupported dtype ", st,
+              " (expected float32, float64, float16 or bfloat16)");
+}
+
+int checked_int(int64_t v, const char* what) {
+  TORCH_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), "kaisa: ", what,
+              " out of range: ", v);
+  return static_cast<int>(v);
+}
+
+// ---------------------------------------------------------------- linear --
+
+Geom linear_geom(const at::Tensor& x, bool bias) {
+  TORCH_CHECK(x.dim() >= 2, "kaisa::covariance: x must be (rows, d), got ", x.sizes());
+  Geom g;
+  g.d_data = checked_int(x.size(-1), "feature dimension");
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) rows *= x.size(i);  // leading dims flattened
+  g.rows = rows;
+  g.bias = bias;
+  g.d = checked_int(static_cast<int64_t>(g.d_data) + (bias ? 1 : 0), "covariance size");
+  return g;
+}
+
+at::Tensor covariance_cuda(const at::Tensor& x, double scale, bool bias) {
+  check_cuda_tensor(x, "covariance", "x");
+  check_input_dtype(x, "covariance");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const Geom g = linear_geom(xc, bias);
+  at::Tensor out = at::empty({g.d, g.d}, xc.options());
+  gram_into(xc, g, 1, scale, /*conv=*/false, out, /*ema=*/false, 0.0);
+  return out;
+}
+
+// Writes through a contiguous temporary when `running` is not contiguous.
+template <typename F>
+void update_running(at::Tensor& running, F&& fn) {
+  if (running.is_contiguous()) {
+    fn(running);
+  } else {
+    at::Tensor tmp = running.contiguous();
+    fn(tmp);
+    running.copy_(tmp);
+  }
+}
+
+void check_running(const at::Tensor& running, const at::Tensor& x, const char* op) {
+  check_cuda_tensor(running, op, "running");
+  check_same_device(running, x, op);
+  const auto st = running.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
+              "kaisa::", op, ": unsupported running dtype ", st);
+}
+
+void covariance_ema_cuda(at::Tensor& running, const at::Tensor& x, double scale, bool bias,
+                         double rho) {
+  check_cuda_tensor(x, "covariance_ema_", "x");
+  check_input_dtype(x, "covariance_ema_");
+  check_running(running, x, "covariance_ema_");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const Geom g = linear_geom(xc, bias);
+  TORCH_CHECK(running.dim() == 2 && running.size(0) == g.d && running.size(1) == g.d,
+              "kaisa::covariance_ema_: running must have shape (", g.d, ", ", g.d, "), got ",
+              running.sizes());
+  update_running(running, [&](at::Tensor& r) {
+    gram_into(xc, g, 1, scale, /*conv=*/false, r, /*ema=*/true, rho);
+  });
+}
+
+// ------------------------------------------------------------------ conv --
+
+Geom conv_geom(const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+               at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, bool bias,
+               const char* op) {
+  TORCH_CHECK(x.dim() == 4, "kaisa::", op, ": x must be (N, C, H, W), got ", x.sizes());
+  TORCH_CHECK(kernel_size.size() == 2 && stride.size() == 2 && padding.size() == 2 &&
+                  dilation.size() == 2,
+              "kaisa::", op, ": kernel_size, stride, padding, dilation must have 2 entries");
+  TORCH_CHECK(groups >= 1 && x.size(1) % groups == 0, "kaisa::", op,
+              ": channels (", x.size(1), ") must be divisible by groups (", groups, ")");
+  for (int i = 0; i < 2; ++i) {
+    TORCH_CHECK(kernel_size[i] >= 1 && stride[i] >= 1 && dilation[i] >= 1 && padding[i] >= 0,
+                "kaisa::", op, ": invalid kernel_size/stride/dilation/padding");
+  }
+  Geom g;
+  g.C = checked_int(x.size(1), "channels");
+  g.H = checked_int(x.size(2), "height");
+  g.W = checked_int(x.size(3), "width");
+  g.Cg = checked_int(x.size(1) / groups, "channels per group");
+  g.kh = checked_int(kernel_size[0], "kernel height");
+  g.kw = checked_int(kernel_size[1], "kernel width");
+  g.sh = checked_int(stride[0], "stride");
+  g.sw = checked_int(stride[1], "stride");
+  g.ph = checked_int(padding[0], "padding");
+  g.pw = checked_int(padding[1], "padding");
+  g.dh = checked_int(dilation[0], "dilation");
+  g.dw = checked_int(dilation[1], "dilation");
+  const int64_t ho = (x.size(2) + 2 * padding[0] - dilation[0] * (kernel_size[0] - 1) - 1) /
+                         stride[0] + 1;
+  const int64_t wo = (x.size(3) + 2 * padding[1] - dilation[1] * (kernel_size[1] - 1) - 1) /
+                         stride[1] + 1;
+  TORCH_CHECK(ho >= 1 && wo >= 1, "kaisa::", op, ": kernel does not fit the padded input");
+  g.Ho = checked_int(ho, "output height");
+  g.Wo = checked_int(wo, "output width");
+  g.rows = x.size(0) * ho * wo;
+  g.d_data = checked_int(static_cast<int64_t>(g.Cg) * g.kh * g.kw, "patch size");
+  g.bias = bias;
+  g.d = checked_int(static_cast<int64_t>(g.d_data) + (bias ? 1 : 0), "covariance size");
+  return g;
+}
+
+at::Tensor conv_covariance_cuda(const at::Tensor& x, at::IntArrayRef kernel_size,
+                                at::IntArrayRef stride, at::IntArrayRef padding,
+                                at::IntArrayRef dilation, int64_t groups, bool bias,
+                                double scale) {
+  check_cuda_tensor(x, "conv_covariance", "x");
+  check_input_dtype(x, "conv_covariance");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const Geom g =
+      conv_geom(xc, kernel_size, stride, padding, dilation, groups, bias, "conv_covariance");
+  at::Tensor out = at::empty({groups, g.d, g.d}, xc.options());
+  gram_into(xc, g, static_cast<int>(groups), scale, /*conv=*/true, out, /*ema=*/false, 0.0);
+  return out;
+}
+
+void conv_covariance_ema_cuda(at::Tensor& running, const at::Tensor& x,
+                              at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                              at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                              bool bias, double scale, double rho) {
+  check_cuda_tensor(x, "conv_covariance_ema_", "x");
+  check_input_dtype(x, "conv_covariance_ema_");
+  check_running(running, x, "conv_covariance_ema_");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const Geom g = conv_geom(xc, kernel_size, stride, padding, dilation, groups, bias,
+                           "conv_covariance_ema_");
+  // (groups, d, d); a (d, d) running buffer is accepted for groups == 1.
+  const bool ok3 = running.dim() == 3 && running.size(0) == groups && running.size(1) == g.d &&
+                   running.size(2) == g.d;
+  const bool ok2 = groups == 1 && running.dim() == 2 && running.size(0) == g.d &&
+                   running.size(1) == g.d;
+  TORCH_CHECK(ok3 || ok2, "kaisa::conv_covariance_ema_: running must have shape (", groups, ", ",
+              g.d, ", ", g.d, "), got ", running.sizes());
+  update_running(running, [&](at::Tensor& r) {
+    gram_into(xc, g, static_cast<int>(groups), scale, /*conv=*/true, r, /*ema=*/true, rho);
+  });
+}
+
+}  // namespace
+}  // namespace kaisa::cuda
+
+TORCH_LIBRARY_IMPL(kaisa, CUDA, m) {
+  m.impl("covariance", &kaisa::cuda::covariance_cuda);
+  m.impl("covariance_ema_", &kaisa::cuda::covariance_ema_cuda);
+  m.impl("conv_covariance", &kaisa::cuda::conv_covariance_cuda);
+  m.impl("conv_covariance_ema_", &kaisa::cuda::conv_covariance_ema_cuda);
+}

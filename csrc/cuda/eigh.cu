@@ -1,0 +1,391 @@
+// batched_eigh(a) -> (eigenvalues ascending (B, n), eigenvectors (B, n, n) in columns)
+// for one batch of symmetric matrices, on cuSOLVER.
+//
+// Routine chosen per call (see docs/cuda-kernels.md):
+//   n <= 32                       cusolverDn{S,D}syevjBatched (Jacobi, one launch)
+//   n > 32, B == 1                cusolverDn{S,D}syevd on the current stream
+//   n > 32, B > 1, cuSOLVER with
+//     XsyevBatched (>= 11.7.1)    cusolverDnXsyevBatched (one call for the batch)
+//   otherwise                     cusolverDn{S,D}syevd per matrix, round-robin over
+//                                 up to 4 pool streams joined back with events
+// The environment variable KAISA_EIGH_IMPL=auto|syevj|xsyev_batched|syevd forces
+// a routine (syevj only applies to n <= 32, xsyev_batched only where compiled
+// in; otherwise it falls back to the automatic choice) so tests and benchmarks
+// can exercise every path.
+//
+// Like torch.linalg.eigh (UPLO='L'), only the lower triangle of each row-major
+// matrix is read: it is the upper triangle of the column-major matrix cuSOLVER
+// sees. Every cuSOLVER status is checked; the per-matrix `info` codes and a
+// finiteness check of the eigenvalues are copied back with one
+// synchronisation, and any failure raises torch.linalg.LinAlgError (a
+// RuntimeError) so the Python layer can retry in float64.
+#include "common.cuh"
+
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/ops/isfinite.h>
+#include <cusolverDn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#if defined(CUSOLVER_VERSION) && CUSOLVER_VERSION >= 11701
+// cusolverDnXsyevBatched appeared in cuSOLVER 11.7.1 (CUDA 12.6 update 2).
+#define KAISA_HAS_XSYEV_BATCHED 1
+#else
+#define KAISA_HAS_XSYEV_BATCHED 0
+#endif
+
+namespace kaisa::cuda {
+namespace {
+
+constexpr int64_t kSyevjMaxN = 32;     // limit of the syevjBatched API
+constexpr int kMaxSyevdStreams = 4;    // streams for the per-matrix fallback
+constexpr cusolverEigMode_t kJobz = CUSOLVER_EIG_MODE_VECTOR;
+// Column-major upper == row-major lower (torch.linalg.eigh's default UPLO).
+constexpr cublasFillMode_t kUplo = CUBLAS_FILL_MODE_UPPER;
+
+enum class EighImpl { kAuto, kSyevj, kXsyevBatched, kSyevd };
+
+const char* impl_name(EighImpl impl) {
+  switch (impl) {
+    case EighImpl::kSyevj:
+      return "syevjBatched";
+    case EighImpl::kXsyevBatched:
+      return "XsyevBatched";
+    case EighImpl::kSyevd:
+      return "syevd";
+    default:
+      return "auto";
+  }
+}
+
+EighImpl requested_impl() {
+  const char* env = std::getenv("KAISA_EIGH_IMPL");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return EighImpl::kAuto;
+  if (std::strcmp(env, "syevj") == 0) return EighImpl::kSyevj;
+  if (std::strcmp(env, "xsyev_batched") == 0) return EighImpl::kXsyevBatched;
+  if (std::strcmp(env, "syevd") == 0) return EighImpl::kSyevd;
+  TORCH_CHECK(false, "kaisa::batched_eigh: KAISA_EIGH_IMPL must be auto, syevj, xsyev_batched ",
+              "or syevd, got '", env, "'");
+}
+
+EighImpl choose_impl(int64_t batch, int64_t n) {
+  const EighImpl req = requested_impl();
+  if (req == EighImpl::kSyevj && n <= kSyevjMaxN) return req;
+  if (req == EighImpl::kSyevd) return req;
+  if (req == EighImpl::kXsyevBatched && KAISA_HAS_XSYEV_BATCHED) return req;
+  if (n <= kSyevjMaxN) return EighImpl::kSyevj;
+  if (batch > 1 && KAISA_HAS_XSYEV_BATCHED) return EighImpl::kXsyevBatched;
+  return EighImpl::kSyevd;
+}
+
+// ------------------------------------------------------- typed wrappers --
+
+template <typename T>
+struct Cusolver;
+
+template <>
+struct Cusolver<float> {
+  static constexpr cudaDataType kType = CUDA_R_32F;
+  static cusolverStatus_t syevj_batched_buffer(cusolverDnHandle_t h, int n, const float* a,
+                                               const float* w, int* lwork, syevjInfo_t p,
+                                               int batch) {
+    return cusolverDnSsyevjBatched_bufferSize(h, kJobz, kUplo, n, a, n, w, lwork, p, batch);
+  }
+  static cusolverStatus_t syevj_batched(cusolverDnHandle_t h, int n, float* a, float* w,
+                                        float* work, int lwork, int* info, syevjInfo_t p,
+                                        int batch) {
+    return cusolverDnSsyevjBatched(h, kJobz, kUplo, n, a, n, w, work, lwork, info, p, batch);
+  }
+  static cusolverStatus_t syevd_buffer(cusolverDnHandle_t h, int n, const float* a,
+                                       const float* w, int* lwork) {
+    return cusolverDnSsyevd_bufferSize(h, kJobz, kUplo, n, a, n, w, lwork);
+  }
+  static cusolverStatus_t syevd(cusolverDnHandle_t h, int n, float* a, float* w, float* work,
+                                int lwork, int* info) {
+    return cusolverDnSsyevd(h, kJobz, kUplo, n, a, n, w, work, lwork, info);
+  }
+};
+
+template <>
+struct Cusolver<double> {
+  static constexpr cudaDataType kType = CUDA_R_64F;
+  static cusolverStatus_t syevj_batched_buffer(cusolverDnHandle_t h, int n, const double* a,
+                                               const double* w, int* lwork, syevjInfo_t p,
+                                               int batch) {
+    return cusolverDnDsyevjBatched_bufferSize(h, kJobz, kUplo, n, a, n, w, lwork, p, batch);
+  }
+  static cusolverStatus_t syevj_batched(cusolverDnHandle_t h, int n, double* a, double* w,
+                                        double* work, int lwork, int* info, syevjInfo_t p,
+                                        int batch) {
+    return cusolverDnDsyevjBatched(h, kJobz, kUplo, n, a, n, w, work, lwork, info, p, batch);
+  }
+  static cusolverStatus_t syevd_buffer(cusolverDnHandle_t h, int n, const double* a,
+                                       const double* w, int* lwork) {
+    return cusolverDnDsyevd_bufferSize(h, kJobz, kUplo, n, a, n, w, lwork);
+  }
+  static cusolverStatus_t syevd(cusolverDnHandle_t h, int n, double* a, double* w, double* work,
+                                int lwork, int* info) {
+    return cusolverDnDsyevd(h, kJobz, kUplo, n, a, n, w, work, lwork, info);
+  }
+};
+
+// RAII owners of cuSOLVER parameter objects.
+struct SyevjParams {
+  syevjInfo_t p = nullptr;
+  SyevjParams() {
+    TORCH_CUSOLVER_CHECK(cusolverDnCreateSyevjInfo(&p));
+  }
+  ~SyevjParams() {
+    if (p != nullptr) cusolverDnDestroySyevjInfo(p);
+  }
+  SyevjParams(const SyevjParams&) = delete;
+  SyevjParams& operator=(const SyevjParams&) = delete;
+};
+
+#if KAISA_HAS_XSYEV_BATCHED
+struct DnParams {
+  cusolverDnParams_t p = nullptr;
+  DnParams() {
+    TORCH_CUSOLVER_CHECK(cusolverDnCreateParams(&p));
+  }
+  ~DnParams() {
+    if (p != nullptr) cusolverDnDestroyParams(p);
+  }
+  DnParams(const DnParams&) = delete;
+  DnParams& operator=(const DnParams&) = delete;
+};
+#endif
+
+// Extra cuSOLVER handles for the side streams of the syevd fallback, cached
+// per thread and device (a handle must not be used by two threads at once).
+// Like torch's own handle pool they are intentionally never destroyed: the
+// CUDA context may already be gone at thread / process exit.
+const std::vector<cusolverDnHandle_t>& side_handles(int device, int count) {
+  thread_local std::unordered_map<int, std::vector<cusolverDnHandle_t>> cache;
+  std::vector<cusolverDnHandle_t>& v = cache[device];
+  while (static_cast<int>(v.size()) < count) {
+    cusolverDnHandle_t h = nullptr;
+    TORCH_CUSOLVER_CHECK(cusolverDnCreate(&h));
+    v.push_back(h);
+  }
+  return v;
+}
+
+// Makes `main` wait for the side streams, also while unwinding from an error
+// (so the caching allocator never recycles memory they still use).
+struct JoinStreams {
+  const c10::cuda::CUDAStream& main;
+  const std::vector<c10::cuda::CUDAStream>& side;
+  ~JoinStreams() {
+    for (const auto& s : side) {
+      cudaEvent_t ev = nullptr;
+      if (C10_CUDA_ERROR_HANDLED(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) !=
+          cudaSuccess) {
+        // Cannot order the streams: fall back to waiting for the side stream.
+        C10_CUDA_CHECK_WARN(cudaStreamSynchronize(s.stream()));
+        continue;
+      }
+      C10_CUDA_CHECK_WARN(cudaEventRecord(ev, s.stream()));
+      C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(main.stream(), ev, 0));
+      C10_CUDA_CHECK_WARN(cudaEventDestroy(ev));
+    }
+  }
+};
+
+template <typename T>
+void run_syevj_batched(T* a, T* w, int* info, int n, int batch, const at::Tensor& like) {
+  cusolverDnHandle_t handle = at::cuda::getCurrentCUDASolverDnHandle();
+  SyevjParams params;
+  // Defaults: tolerance = machine precision, 100 sweeps; eigenvalues sorted.
+  TORCH_CUSOLVER_CHECK(cusolverDnXsyevjSetSortEig(params.p, 1));
+  int lwork = 0;
+  TORCH_CUSOLVER_CHECK(
+      Cusolver<T>::syevj_batched_buffer(handle, n, a, w, &lwork, params.p, batch));
+  at::Tensor work = at::empty({std::max(lwork, 1)}, like.options());
+  TORCH_CUSOLVER_CHECK(Cusolver<T>::syevj_batched(handle, n, a, w, work.mutable_data_ptr<T>(),
+                                                  lwork, info, params.p, batch));
+}
+
+#if KAISA_HAS_XSYEV_BATCHED
+template <typename T>
+void run_xsyev_batched(T* a, T* w, int* info, int64_t n, int64_t batch, const at::Tensor& like,
+                       std::vector<char>& host_ws) {
+  cusolverDnHandle_t handle = at::cuda::getCurrentCUDASolverDnHandle();
+  DnParams params;
+  size_t dev_bytes = 0;
+  size_t host_bytes = 0;
+  constexpr cudaDataType t = Cusolver<T>::kType;
+  TORCH_CUSOLVER_CHECK(cusolverDnXsyevBatched_bufferSize(handle, params.p, kJobz, kUplo, n, t, a,
+                                                         n, t, w, t, &dev_bytes, &host_bytes,
+                                                         batch));
+  at::Tensor dev_ws = at::empty({static_cast<int64_t>(std::max<size_t>(dev_bytes, 1))},
+                                like.options().dtype(at::kByte));
+  host_ws.assign(std::max<size_t>(host_bytes, 1), 0);
+  TORCH_CUSOLVER_CHECK(cusolverDnXsyevBatched(handle, params.p, kJobz, kUplo, n, t, a, n, t, w,
+                                              t, dev_ws.mutable_data_ptr(), dev_bytes,
+                                              host_ws.data(), host_bytes, info, batch));
+}
+#endif
+
+template <typename T>
+void run_syevd(T* a, T* w, int* info, int n, int64_t batch, const at::Tensor& like) {
+  cusolverDnHandle_t handle = at::cuda::getCurrentCUDASolverDnHandle();
+  int lwork = 0;
+  TORCH_CUSOLVER_CHECK(Cusolver<T>::syevd_buffer(handle, n, a, w, &lwork));
+  lwork = std::max(lwork, 1);
+  const int64_t nn = static_cast<int64_t>(n) * n;
+  const int n_streams = static_cast<int>(std::min<int64_t>(kMaxSyevdStreams, batch));
+
+  if (n_streams <= 1) {
+    at::Tensor work = at::empty({lwork}, like.options());
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CUSOLVER_CHECK(Cusolver<T>::syevd(handle, n, a + b * nn, w + b * n,
+                                              work.mutable_data_ptr<T>(), lwork, info + b));
+    }
+    return;
+  }
+
+  // Fork: side streams wait for everything queued so far on the current one.
+  const c10::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream();
+  at::Tensor work = at::empty({static_cast<int64_t>(n_streams) * lwork}, like.options());
+  T* work_ptr = work.mutable_data_ptr<T>();
+  at::cuda::CUDAEvent fork;
+  fork.record(main);
+  std::vector<c10::cuda::CUDAStream> side;
+  side.reserve(n_streams);
+  for (int s = 0; s < n_streams; ++s) {
+    side.push_back(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, main.device_index()));
+    fork.block(side.back());
+  }
+  const JoinStreams join{main, side};  // joins even if a call below throws
+  const auto& handles = side_handles(main.device_index(), n_streams);
+  for (int s = 0; s < n_streams; ++s) {
+    TORCH_CUSOLVER_CHECK(cusolverDnSetStream(handles[s], side[s].stream()));
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    const int s = static_cast<int>(b % n_streams);
+    TORCH_CUSOLVER_CHECK(Cusolver<T>::syevd(handles[s], n, a + b * nn, w + b * n,
+                                            work_ptr + static_cast<int64_t>(s) * lwork, lwork,
+                                            info + b));
+  }
+}
+
+std::string describe_failure(EighImpl impl, int64_t n, int64_t b, int code, bool finite) {
+  std::ostringstream ss;
+  ss << "matrix " << b << ": ";
+  if (code < 0) {
+    ss << "parameter " << -code << " of cusolverDn " << impl_name(impl) << " was invalid";
+  } else if (code > 0) {
+    if (impl == EighImpl::kSyevj) {
+      ss << "Jacobi iteration did not converge (info=" << code << ")";
+    } else {
+      ss << code << " off-diagonal elements of the tridiagonal form did not converge (info="
+         << code << ")";
+    }
+  } else if (!finite) {
+    ss << "non-finite eigenvalues (input contains NaN/Inf or is badly conditioned)";
+  }
+  (void)n;
+  return ss.str();
+}
+
+template <typename T>
+void eigh_impl(at::Tensor& vecs_cm, at::Tensor& vals, EighImpl impl) {
+  const int64_t batch = vecs_cm.size(0);
+  const int64_t n = vecs_cm.size(1);
+  at::Tensor info = at::zeros({batch}, vecs_cm.options().dtype(at::kInt));
+  T* a = vecs_cm.mutable_data_ptr<T>();
+  T* w = vals.mutable_data_ptr<T>();
+  int* inf = info.mutable_data_ptr<int>();
+  std::vector<char> host_ws;  // must outlive the synchronisation below
+
+  switch (impl) {
+    case EighImpl::kSyevj:
+      run_syevj_batched<T>(a, w, inf, static_cast<int>(n), static_cast<int>(batch), vecs_cm);
+      break;
+    case EighImpl::kXsyevBatched:
+#if KAISA_HAS_XSYEV_BATCHED
+      run_xsyev_batched<T>(a, w, inf, n, batch, vecs_cm, host_ws);
+      break;
+#else
+      TORCH_INTERNAL_ASSERT(false, "XsyevBatched not compiled in");
+#endif
+    case EighImpl::kSyevd:
+    default:
+      run_syevd<T>(a, w, inf, static_cast<int>(n), batch, vecs_cm);
+      break;
+  }
+
+  // One device->host copy (one sync): info codes and a per-matrix
+  // "eigenvalues not finite" flag.
+  const at::Tensor nonfinite = at::isfinite(vals).logical_not().any(-1).to(at::kInt);
+  const at::Tensor status = at::cat({info, nonfinite}).cpu();
+  const int* st = status.const_data_ptr<int>();
+  int failed = 0;
+  std::string first;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int code = st[b];
+    const bool finite = st[batch + b] == 0;
+    if (code != 0 || !finite) {
+      if (failed == 0) first = describe_failure(impl, n, b, code, finite);
+      ++failed;
+    }
+  }
+  TORCH_CHECK_LINALG(failed == 0, "kaisa::batched_eigh: cusolverDn ", impl_name(impl), " (",
+                     vecs_cm.scalar_type(), ", n=", n, ") failed for ", failed, " of ", batch,
+                     " matrices; first failure: ", first,
+                     ". Retrying in float64 may help.");
+}
+
+std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& a_in) {
+  check_cuda_tensor(a_in, "batched_eigh", "a");
+  TORCH_CHECK(a_in.dim() == 2 || a_in.dim() == 3,
+              "kaisa::batched_eigh: expected (B, n, n) or (n, n), got ", a_in.sizes());
+  TORCH_CHECK(a_in.size(-1) == a_in.size(-2), "kaisa::batched_eigh: matrices must be square, got ",
+              a_in.sizes());
+  const auto st = a_in.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble,
+              "kaisa::batched_eigh: expected float32 or float64, got ", st);
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  const bool unbatched = a_in.dim() == 2;
+  const at::Tensor a = unbatched ? a_in.unsqueeze(0) : a_in;
+  const int64_t batch = a.size(0);
+  const int64_t n = a.size(1);
+  TORCH_CHECK(n <= std::numeric_limits<int>::max() && batch <= std::numeric_limits<int>::max(),
+              "kaisa::batched_eigh: batch or matrix too large");
+
+  // Fresh column-major workspace: a symmetric matrix is its own transpose,
+  // so the row-major copy is the column-major matrix (lower <-> upper).
+  at::Tensor vecs_cm = at::empty({batch, n, n}, a.options());
+  vecs_cm.copy_(a);
+  at::Tensor vals = at::empty({batch, n}, a.options());
+
+  if (batch > 0 && n > 0) {
+    const EighImpl impl = choose_impl(batch, n);
+    if (st == at::kFloat) {
+      eigh_impl<float>(vecs_cm, vals, impl);
+    } else {
+      eigh_impl<double>(vecs_cm, vals, impl);
+    }
+  }
+
+  // cuSOLVER wrote eigenvector k to column k of the column-major buffer,
+  // i.e. row k of the row-major tensor. The op contract (csrc/SCHEMAS.md)
+  // promises contiguous outputs with eigenvectors in columns: transpose.
+  at::Tensor vecs = vecs_cm.mT().contiguous();
+  if (unbatched) return {vals.squeeze(0), vecs.squeeze(0)};
+  return {vals, vecs};
+}
+
+}  // namespace
+}  // namespace kaisa::cuda
+
+TORCH_LIBRARY_IMPL(kaisa, CUDA, m) {
+  m.impl("batched_eigh", &kaisa::cuda::batched_eigh_cuda);
+}

@@ -1,0 +1,228 @@
+// eigen_precondition: K-FAC preconditioning in the Kronecker eigenbasis,
+//
+//   result = QG ((QG^T grad QA) / (dg da^T + damping)) QA^T
+//   result = QG ((QG^T grad QA) * dgda) QA^T          (dgda given: precomputed
+//                                                      reciprocal, (B, m, n))
+//
+// for a batch of B layers with the same (m, n). Four strided-batched cuBLAS
+// GEMMs (S or D; fp16/bf16 inputs are computed in fp32 and cast back) with a
+// single elementwise kernel between the second and third one. Buffers: the
+// intermediate t (B, m, n) and the output; the eigenbasis-space matrix lives
+// in the output buffer until the last GEMM overwrites it:
+//
+//   t   = QG^T grad          (gemm 1)
+//   out = t QA               (gemm 2)
+//   out = out / (dg da^T + damping)   or  out *= dgda    (elementwise)
+//   t   = QG out             (gemm 3)
+//   out = t QA^T             (gemm 4)
+//
+// All row-major products are issued as column-major cuBLAS calls on the
+// transposed problem (C^T = op(B)^T op(A)^T), so no operand is copied or
+// transposed in memory. qa / qg (and da / dg / dgda) may also be given
+// without the batch dimension when grad is batched: they are then shared by
+// every batch entry (stride 0).
+#include "common.cuh"
+
+#include <ATen/cuda/Exceptions.h>
+#include <cublas_v2.h>
+
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace kaisa::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+struct Blas;
+
+template <>
+struct Blas<float> {
+  static cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                             int n, int k, const float* alpha, const float* a, int lda,
+                             long long sa, const float* b, int ldb, long long sb,
+                             const float* beta, float* c, int ldc, long long sc, int batch) {
+    return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c,
+                                     ldc, sc, batch);
+  }
+};
+
+template <>
+struct Blas<double> {
+  static cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                             int n, int k, const double* alpha, const double* a, int lda,
+                             long long sa, const double* b, int ldb, long long sb,
+                             const double* beta, double* c, int ldc, long long sc, int batch) {
+    return cublasDgemmStridedBatched(h, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c,
+                                     ldc, sc, batch);
+  }
+};
+
+// Row-major C (m x n) = op(A) (m x k) @ op(B) (k x n), batched with element
+// strides sa / sb / sc. op(X) = X^T when tX: A is then stored (k x m), B (n x k).
+// Issued as column-major C^T = op(B)^T op(A)^T.
+template <typename T>
+void gemm_rm(cublasHandle_t h, bool ta, bool tb, int m, int n, int k, const T* a, int64_t sa,
+             const T* b, int64_t sb, T* c, int64_t sc, int batch) {
+  const T one = T(1);
+  const T zero = T(0);
+  const int lda = ta ? m : k;
+  const int ldb = tb ? k : n;
+  TORCH_CUDABLAS_CHECK(Blas<T>::gemm(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                     ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &one, b, ldb, sb,
+                                     a, lda, sa, &zero, c, n, sc, batch));
+}
+
+// v[b][i][j] /= dg[b][i] * da[b][j] + damping   (strides 0 when shared)
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    divide_kernel(T* __restrict__ v, const T* __restrict__ dg, const T* __restrict__ da,
+                  const int64_t total, const int m, const int n, const int64_t dg_stride,
+                  const int64_t da_stride, const T damping) {
+  const int64_t mn = static_cast<int64_t>(m) * n;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = e / mn;
+    const int64_t r = e - b * mn;
+    const int64_t i = r / n;
+    const int64_t j = r - i * n;
+    v[e] = v[e] / (dg[b * dg_stride + i] * da[b * da_stride + j] + damping);
+  }
+}
+
+// v[b][i][j] *= dgda[b][i][j]   (dgda_stride 0 when shared)
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    multiply_kernel(T* __restrict__ v, const T* __restrict__ dgda, const int64_t total,
+                    const int64_t mn, const int64_t dgda_stride) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = e / mn;
+    v[e] = v[e] * dgda[b * dgda_stride + (e - b * mn)];
+  }
+}
+
+// Brings a (possibly unbatched) operand to the compute dtype, contiguous, and
+// returns its batch stride in elements (0 when shared by the whole batch).
+at::Tensor prepare(const at::Tensor& t, const at::Tensor& like, int64_t batched_dim,
+                   const std::vector<int64_t>& shape, int64_t batch, const char* name,
+                   int64_t& stride) {
+  check_cuda_tensor(t, "eigen_precondition", name);
+  check_same_device(t, like, "eigen_precondition");
+  const int64_t inner = static_cast<int64_t>(shape.size());
+  std::vector<int64_t> full{batch};
+  full.insert(full.end(), shape.begin(), shape.end());
+  const bool is_batched = t.dim() == batched_dim && t.sizes() == at::IntArrayRef(full);
+  const bool is_shared = t.dim() == inner && t.sizes() == at::IntArrayRef(shape);
+  TORCH_CHECK(is_batched || is_shared, "kaisa::eigen_precondition: ", name, " must have shape ",
+              at::IntArrayRef(full), " or ", at::IntArrayRef(shape), ", got ", t.sizes());
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  stride = is_batched ? numel : 0;
+  return t.to(like.scalar_type()).contiguous();
+}
+
+int to_int(int64_t v, const char* what) {
+  TORCH_CHECK(v <= std::numeric_limits<int>::max(), "kaisa::eigen_precondition: ", what,
+              " too large (", v, ")");
+  return static_cast<int>(v);
+}
+
+template <typename T>
+void precondition_impl(const at::Tensor& g, const at::Tensor& qa, int64_t sqa,
+                       const at::Tensor& qg, int64_t sqg, const at::Tensor* dg, int64_t sdg,
+                       const at::Tensor* da, int64_t sda, const at::Tensor* dgda, int64_t sdgda,
+                       double damping, at::Tensor& t, at::Tensor& out) {
+  const int batch = to_int(g.size(0), "batch");
+  const int m = to_int(g.size(1), "m");
+  const int n = to_int(g.size(2), "n");
+  const int64_t mn = static_cast<int64_t>(m) * n;
+  cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  const T* G = g.const_data_ptr<T>();
+  const T* QA = qa.const_data_ptr<T>();
+  const T* QG = qg.const_data_ptr<T>();
+  T* Tp = t.mutable_data_ptr<T>();
+  T* O = out.mutable_data_ptr<T>();
+
+  gemm_rm<T>(h, /*ta=*/true, /*tb=*/false, m, n, m, QG, sqg, G, mn, Tp, mn, batch);   // t = QG^T g
+  gemm_rm<T>(h, false, false, m, n, n, Tp, mn, QA, sqa, O, mn, batch);                // o = t QA
+
+  const int64_t total = mn * batch;
+  const int64_t want = ceil_div<int64_t>(total, kThreads);
+  const int blocks = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(want, static_cast<int64_t>(sm_count()) * 8)));
+  if (dgda != nullptr) {
+    multiply_kernel<T><<<blocks, kThreads, 0, stream>>>(O, dgda->const_data_ptr<T>(), total, mn,
+                                                         sdgda);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    divide_kernel<T><<<blocks, kThreads, 0, stream>>>(O, dg->const_data_ptr<T>(),
+                                                       da->const_data_ptr<T>(), total, m, n, sdg,
+                                                       sda, static_cast<T>(damping));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  gemm_rm<T>(h, false, false, m, n, m, QG, sqg, O, mn, Tp, mn, batch);   // t = QG o
+  gemm_rm<T>(h, false, true, m, n, n, Tp, mn, QA, sqa, O, mn, batch);    // o = t QA^T
+}
+
+at::Tensor eigen_precondition_cuda(const at::Tensor& grad, const at::Tensor& qa,
+                                   const at::Tensor& qg, const std::optional<at::Tensor>& da,
+                                   const std::optional<at::Tensor>& dg,
+                                   const std::optional<at::Tensor>& dgda, double damping) {
+  check_cuda_tensor(grad, "eigen_precondition", "grad");
+  TORCH_CHECK(grad.dim() == 2 || grad.dim() == 3,
+              "kaisa::eigen_precondition: grad must be (B, m, n) or (m, n), got ", grad.sizes());
+  const auto gt = grad.scalar_type();
+  TORCH_CHECK(gt == at::kFloat || gt == at::kDouble || gt == at::kHalf || gt == at::kBFloat16,
+              "kaisa::eigen_precondition: unsupported dtype ", gt);
+  const bool use_dgda = dgda.has_value() && dgda->defined();
+  TORCH_CHECK(use_dgda || (da.has_value() && da->defined() && dg.has_value() && dg->defined()),
+              "kaisa::eigen_precondition: give either dgda or both da and dg");
+  const c10::cuda::CUDAGuard guard(grad.device());
+
+  const bool unbatched = grad.dim() == 2;
+  const at::ScalarType ct = gt == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor g = (unbatched ? grad.unsqueeze(0) : grad).to(ct).contiguous();
+  const int64_t batch = g.size(0);
+  const int64_t m = g.size(1);
+  const int64_t n = g.size(2);
+
+  int64_t sqa = 0, sqg = 0, sda = 0, sdg = 0, sdgda = 0;
+  const at::Tensor qa_c = prepare(qa, g, 3, {n, n}, batch, "qa", sqa);
+  const at::Tensor qg_c = prepare(qg, g, 3, {m, m}, batch, "qg", sqg);
+  at::Tensor da_c, dg_c, dgda_c;
+  if (use_dgda) {
+    dgda_c = prepare(*dgda, g, 3, {m, n}, batch, "dgda", sdgda);
+  } else {
+    da_c = prepare(*da, g, 2, {n}, batch, "da", sda);
+    dg_c = prepare(*dg, g, 2, {m}, batch, "dg", sdg);
+  }
+
+  at::Tensor out = at::empty({batch, m, n}, g.options());
+  if (out.numel() > 0) {
+    at::Tensor t = at::empty_like(out);
+    if (ct == at::kDouble) {
+      precondition_impl<double>(g, qa_c, sqa, qg_c, sqg, use_dgda ? nullptr : &dg_c, sdg,
+                                use_dgda ? nullptr : &da_c, sda, use_dgda ? &dgda_c : nullptr,
+                                sdgda, damping, t, out);
+    } else {
+      precondition_impl<float>(g, qa_c, sqa, qg_c, sqg, use_dgda ? nullptr : &dg_c, sdg,
+                               use_dgda ? nullptr : &da_c, sda, use_dgda ? &dgda_c : nullptr,
+                               sdgda, damping, t, out);
+    }
+  }
+  at::Tensor result = out.to(gt);
+  return unbatched ? result.squeeze(0) : result;
+}
+
+}  // namespace
+}  // namespace kaisa::cuda
+
+TORCH_LIBRARY_IMPL(kaisa, CUDA, m) {
+  m.impl("eigen_precondition", &kaisa::cuda::eigen_precondition_cuda);
+}

@@ -1,0 +1,57 @@
+"""Distributed K-FAC: KAISA strategies, placement, fused communication and the engine."""
+
+from kaisa.distributed.comm import (
+    CommHandle,
+    CommStats,
+    Communicator,
+    LocalCommunicator,
+    TorchDistCommunicator,
+    make_communicator,
+    pack_symmetric,
+    packed_numel,
+    unpack_symmetric,
+)
+from kaisa.distributed.engine import DistributedEngine, PreconditionedGradient
+from kaisa.distributed.memory import (
+    MemoryEstimate,
+    choose_fraction,
+    decomposition_numel,
+    estimate_memory,
+)
+from kaisa.distributed.placement import LayerPlacement, Placement, factor_cost, place_layers
+from kaisa.distributed.strategy import (
+    DistributedStrategy,
+    FractionSpec,
+    WorkerGrid,
+    resolve_grad_workers,
+    strategy_fraction,
+    valid_fractions,
+)
+
+__all__ = [
+    "CommHandle",
+    "CommStats",
+    "Communicator",
+    "DistributedEngine",
+    "DistributedStrategy",
+    "FractionSpec",
+    "LayerPlacement",
+    "LocalCommunicator",
+    "MemoryEstimate",
+    "Placement",
+    "PreconditionedGradient",
+    "TorchDistCommunicator",
+    "WorkerGrid",
+    "choose_fraction",
+    "decomposition_numel",
+    "estimate_memory",
+    "factor_cost",
+    "make_communicator",
+    "pack_symmetric",
+    "packed_numel",
+    "place_layers",
+    "resolve_grad_workers",
+    "strategy_fraction",
+    "unpack_symmetric",
+    "valid_fractions",
+]

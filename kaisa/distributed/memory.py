@@ -1,0 +1,217 @@
+"""Per-rank K-FAC memory model and the ``grad_worker_fraction='auto'`` choice.
+
+The model counts, for every rank, the bytes of
+
+* ``factors``: the running A and G factors; every rank keeps all of them
+  because every rank takes part in the factor allreduce;
+* ``decompositions``: eigenvectors and eigenvalues (``'eigen'``) or inverses
+  (``'inverse'``) of the layers for which the rank is a gradient worker;
+* ``buffers``: the per-step batch factors held until the asynchronous
+  allreduce finishes (all layers), plus one gradient-sized receive buffer per
+  layer whose preconditioned gradient the rank receives by broadcast.
+
+The decomposition bytes follow the placement computed by
+:func:`kaisa.distributed.placement.place_layers`, so the estimate is per rank
+and the maximum over ranks is what must fit the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from kaisa.distributed.placement import Placement, place_layers
+from kaisa.distributed.strategy import WorkerGrid, valid_fractions
+
+__all__ = [
+    "MemoryEstimate",
+    "choose_fraction",
+    "decomposition_numel",
+    "estimate_memory",
+]
+
+_MB = 1024 * 1024
+_METHODS = ("eigen", "inverse")
+
+
+def decomposition_numel(
+    a_dim: int, g_dim: int, compute_method: str, outer_product: bool = True
+) -> int:
+    """Elements of one layer's decompositions (one Kronecker block).
+
+    Args:
+        a_dim: A factor dimension.
+        g_dim: G factor dimension.
+        compute_method: ``'eigen'`` (eigenvectors and eigenvalues of A and G,
+            plus, with ``outer_product``, the ``g x a`` outer product of
+            eigenvalues used to precondition) or ``'inverse'`` (inverses of A
+            and G).
+        outer_product: Whether the eigenvalue outer product is stored.
+
+    Returns:
+        Number of elements.
+    """
+    if compute_method == "eigen":
+        outer = g_dim * a_dim if outer_product else 0
+        return a_dim * a_dim + a_dim + g_dim * g_dim + g_dim + outer
+    if compute_method == "inverse":
+        return a_dim * a_dim + g_dim * g_dim
+    raise ValueError(f"compute_method must be one of {_METHODS}, got {compute_method!r}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Modelled K-FAC memory for one gradient-worker fraction.
+
+    Attributes:
+        fraction: The gradient-worker fraction.
+        placement: The placement the estimate is based on.
+        per_rank: Bytes by kind (``factors``, ``decompositions``,
+            ``buffers``, ``total``) for every rank.
+    """
+
+    fraction: Fraction
+    placement: Placement
+    per_rank: tuple[dict[str, int], ...]
+
+    @property
+    def max_total(self) -> int:
+        """The largest per-rank total in bytes."""
+        return max(r["total"] for r in self.per_rank)
+
+    @property
+    def max_total_mb(self) -> float:
+        """The largest per-rank total in megabytes."""
+        return self.max_total / _MB
+
+
+def estimate_memory(
+    layer_dims: Mapping[str, tuple[int, int]],
+    grid: WorkerGrid,
+    *,
+    compute_method: str = "eigen",
+    itemsize: int = 4,
+    inv_itemsize: int | None = None,
+    outer_product: bool = True,
+    layer_groups: Mapping[str, int] | None = None,
+    assignment_strategy: str = "compute",
+    colocate_factors: bool = True,
+) -> MemoryEstimate:
+    """Models every rank's K-FAC memory for one grid.
+
+    Args:
+        layer_dims: ``name -> (a_dim, g_dim)`` in model order.
+        grid: The gradient-worker grid.
+        compute_method: ``'eigen'`` or ``'inverse'``.
+        itemsize: Bytes per element of the factors and gradients (4 for
+            float32).
+        inv_itemsize: Bytes per element of the decompositions (defaults to
+            ``itemsize``).
+        outer_product: Whether the eigen method stores the eigenvalue outer
+            product.
+        layer_groups: Kronecker blocks per layer (grouped convolutions);
+            missing layers have one.
+        assignment_strategy: Placement cost model (see
+            :func:`~kaisa.distributed.placement.place_layers`).
+        colocate_factors: Placement option.
+
+    Returns:
+        The estimate.
+    """
+    inv_size = itemsize if inv_itemsize is None else inv_itemsize
+    groups = dict(layer_groups or {})
+    placement = place_layers(layer_dims, grid, assignment_strategy, colocate_factors)
+    factor_numel = sum(groups.get(name, 1) * (a * a + g * g) for name, (a, g) in layer_dims.items())
+    per_rank: list[dict[str, int]] = []
+    for rank in range(grid.world_size):
+        decomp = 0
+        received = 0
+        for lp in placement.layers.values():
+            blocks = groups.get(lp.name, 1)
+            if lp.is_grad_worker(rank):
+                decomp += blocks * decomposition_numel(
+                    lp.a_dim, lp.g_dim, compute_method, outer_product
+                )
+            else:
+                # Received preconditioned gradient plus its validity flag.
+                received += blocks * lp.a_dim * lp.g_dim + 1
+        # Batch factors wait for the allreduce between backward and step().
+        buffers = factor_numel + received if grid.world_size > 1 else factor_numel
+        entry = {
+            "factors": factor_numel * itemsize,
+            "decompositions": decomp * inv_size,
+            "buffers": buffers * itemsize,
+        }
+        entry["total"] = sum(entry.values())
+        per_rank.append(entry)
+    return MemoryEstimate(grid.fraction, placement, tuple(per_rank))
+
+
+def choose_fraction(
+    layer_dims: Mapping[str, tuple[int, int]] | Sequence[tuple[str, int, int]],
+    world_size: int,
+    memory_budget_mb: float,
+    *,
+    compute_method: str = "eigen",
+    itemsize: int = 4,
+    inv_itemsize: int | None = None,
+    outer_product: bool = True,
+    layer_groups: Mapping[str, int] | None = None,
+    assignment_strategy: str = "compute",
+    colocate_factors: bool = True,
+) -> MemoryEstimate:
+    """Picks the valid fraction with the least communication that fits.
+
+    Fractions are tried from 1 (COMM-OPT) downwards. A larger fraction means
+    more gradient workers per layer and fewer preconditioned-gradient
+    broadcasts every step, which is KAISA's communication-optimal direction;
+    decomposition broadcasts happen only on inverse-update steps.
+
+    Args:
+        layer_dims: ``name -> (a_dim, g_dim)`` in model order.
+        world_size: Number of ranks.
+        memory_budget_mb: Per-rank K-FAC memory budget in megabytes.
+        compute_method: ``'eigen'`` or ``'inverse'``.
+        itemsize: Bytes per factor element.
+        inv_itemsize: Bytes per decomposition element.
+        outer_product: Whether the eigen method stores the outer product.
+        layer_groups: Kronecker blocks per layer.
+        assignment_strategy: Placement cost model.
+        colocate_factors: Placement option.
+
+    Returns:
+        The estimate of the chosen fraction.
+
+    Raises:
+        ValueError: If no valid fraction fits the budget; the message lists
+            each fraction's modelled peak.
+    """
+    if memory_budget_mb <= 0:
+        raise ValueError(f"memory_budget_mb must be > 0, got {memory_budget_mb}")
+    dims: dict[str, tuple[int, int]]
+    if isinstance(layer_dims, Mapping):
+        dims = dict(layer_dims)
+    else:
+        dims = {name: (a, g) for name, a, g in layer_dims}
+    tried: list[str] = []
+    for fraction in valid_fractions(world_size):
+        grid = WorkerGrid(world_size, int(fraction * world_size))
+        est = estimate_memory(
+            dims,
+            grid,
+            compute_method=compute_method,
+            itemsize=itemsize,
+            inv_itemsize=inv_itemsize,
+            outer_product=outer_product,
+            layer_groups=layer_groups,
+            assignment_strategy=assignment_strategy,
+            colocate_factors=colocate_factors,
+        )
+        if est.max_total_mb <= memory_budget_mb:
+            return est
+        tried.append(f"{fraction} ({grid.strategy_name}): {est.max_total_mb:.3f} MB")
+    raise ValueError(
+        f"no grad_worker_fraction fits memory_budget_mb={memory_budget_mb} on world size "
+        f"{world_size}; modelled per-rank K-FAC memory: " + "; ".join(tried)
+    )

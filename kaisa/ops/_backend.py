@@ -1,0 +1,138 @@
+"""Backend selection for :mod:`kaisa.ops`: the ``kaisa._C`` extension or the reference."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+BACKENDS: tuple[str, ...] = ("ext", "torch")
+"""Names accepted by :func:`set_backend`."""
+
+_ENV_VAR = "KAISA_BACKEND"
+
+
+def _load_extension() -> str | None:
+    """Imports ``kaisa._C`` and the fake kernels; returns the error text or None."""
+    try:
+        importlib.import_module("kaisa._C")
+    except Exception as exc:  # any failure to load the shared object
+        return f"{type(exc).__name__}: {exc}"
+    try:
+        importlib.import_module("kaisa.ops._fake")
+    except Exception as exc:  # pragma: no cover - only with a mismatched build
+        return f"kaisa._C loaded but registering fake kernels failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+_EXT_ERROR: str | None = _load_extension()
+
+
+def _initial_backend() -> str:
+    """Picks the backend at import time from the environment and the extension."""
+    requested = os.environ.get(_ENV_VAR, "").strip().lower()
+    if requested:
+        if requested not in BACKENDS:
+            raise ValueError(
+                f"{_ENV_VAR}={requested!r} is not a valid backend; expected one of {BACKENDS}"
+            )
+        if requested == "ext" and _EXT_ERROR is not None:
+            raise ImportError(
+                f"{_ENV_VAR}=ext but the kaisa._C extension could not be loaded: {_EXT_ERROR}"
+            )
+        return requested
+    if _EXT_ERROR is None:
+        return "ext"
+    warnings.warn(
+        "kaisa._C extension could not be loaded, falling back to the pure-PyTorch "
+        f"backend (set {_ENV_VAR}=torch to silence this): {_EXT_ERROR}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return "torch"
+
+
+_BACKEND: str = _initial_backend()
+
+
+def extension_available() -> bool:
+    """Returns whether the compiled ``kaisa._C`` extension loaded successfully."""
+    return _EXT_ERROR is None
+
+
+def extension_error() -> str | None:
+    """Returns the error raised while loading ``kaisa._C``, or None if it loaded."""
+    return _EXT_ERROR
+
+
+def backend() -> str:
+    """Returns the active backend name, ``'ext'`` or ``'torch'``."""
+    return _BACKEND
+
+
+def set_backend(name: str) -> None:
+    """Selects the backend used by the ops in this module.
+
+    Args:
+        name: ``'ext'`` (compiled extension) or ``'torch'`` (reference code).
+
+    Raises:
+        ValueError: if ``name`` is not a known backend.
+        RuntimeError: if ``name == 'ext'`` and the extension is not available.
+    """
+    global _BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+    if name == "ext" and _EXT_ERROR is not None:
+        raise RuntimeError(f"backend 'ext' requested but kaisa._C is unavailable: {_EXT_ERROR}")
+    _BACKEND = name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Context manager that temporarily switches the backend.
+
+    Args:
+        name: backend to use inside the ``with`` block.
+
+    Yields:
+        None. The previous backend is restored on exit.
+    """
+    previous = _BACKEND
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+_DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}
+_WARNED_NO_KERNEL: set[tuple[str, str]] = set()
+
+
+def _use_ext(op: str, device: torch.device) -> bool:
+    """Returns whether ``torch.ops.kaisa.<op>`` should run for tensors on ``device``.
+
+    True when the ext backend is active and the extension has a kernel for the
+    device (e.g. a CPU-only build given CUDA tensors falls back to the reference
+    implementation, with one RuntimeWarning per op and device type).
+    """
+    if _BACKEND != "ext":
+        return False
+    if torch.compiler.is_compiling():
+        return True  # the dispatcher query is not traceable; fake kernels cover tracing
+    key = _DEVICE_KEYS.get(device.type)
+    if key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"kaisa::{op}", key):
+        return True
+    if (op, device.type) not in _WARNED_NO_KERNEL:
+        _WARNED_NO_KERNEL.add((op, device.type))
+        warnings.warn(
+            f"kaisa._C has no {device.type} kernel for {op}; using the reference implementation",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False

@@ -1,0 +1,203 @@
+"""Pure-PyTorch reference implementations of the :mod:`kaisa.ops` kernels.
+
+These functions define the semantics of every op. They favour clarity over
+speed (the conv factor materialises the whole patch matrix with
+:func:`torch.nn.functional.unfold`) and are used as the ``'torch'`` backend and
+as the ground truth the C++ extension is tested against.
+
+Inputs are assumed to be validated by the caller (:mod:`kaisa.ops`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "accumulate_dtype",
+    "conv_covariance",
+    "conv_covariance_ema_",
+    "conv_patches",
+    "covariance",
+    "covariance_ema_",
+    "eigen_precondition",
+    "eigh",
+]
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Returns the dtype factor accumulations are carried out in.
+
+    Args:
+        dtype: dtype of the input activations or gradients.
+
+    Returns:
+        ``torch.float64`` for double inputs, ``torch.float32`` otherwise.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _symmetrize(c: torch.Tensor) -> torch.Tensor:
+    """Makes the last two dims exactly symmetric by mirroring the upper triangle."""
+    upper = torch.triu(c)
+    return upper + torch.triu(c, diagonal=1).transpose(-1, -2)
+
+
+def covariance(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Tensor:
+    """Computes ``scale * Xb^T Xb`` with ``Xb = [x | 1]`` when ``bias``.
+
+    Args:
+        x: (rows, d) floating point tensor.
+        scale: multiplier applied to the Gram matrix.
+        bias: whether to append a column of ones to ``x``.
+
+    Returns:
+        Exactly symmetric (d + bias, d + bias) tensor with the dtype of ``x``.
+    """
+    acc = accumulate_dtype(x.dtype)
+    xa = x.to(acc)
+    if bias:
+        xa = torch.cat([xa, xa.new_ones(xa.shape[0], 1)], dim=1)
+    c = (xa.t() @ xa) * scale
+    return _symmetrize(c).to(x.dtype)
+
+
+def conv_patches(
+    x: torch.Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    groups: int,
+    bias: bool,
+) -> torch.Tensor:
+    """Builds the per-group patch matrices of a 2D convolution input.
+
+    Args:
+        x: (N, C, H, W) input of the convolution.
+        kernel_size: (kh, kw).
+        stride: (sh, sw).
+        padding: symmetric zero padding (ph, pw).
+        dilation: (dh, dw).
+        groups: number of convolution groups (divides C).
+        bias: whether to append a ones column (last) to each patch matrix.
+
+    Returns:
+        (groups, N * out_h * out_w, C / groups * kh * kw + bias) tensor whose
+        column order is channel slowest, then kernel row, then kernel column.
+    """
+    n, c = x.shape[0], x.shape[1]
+    cols = F.unfold(x, kernel_size, dilation=dilation, padding=padding, stride=stride)
+    per_group = c // groups * kernel_size[0] * kernel_size[1]
+    length = cols.shape[-1]
+    p = cols.view(n, groups, per_group, length).permute(1, 0, 3, 2)
+    p = p.reshape(groups, n * length, per_group)
+    if bias:
+        p = torch.cat([p, p.new_ones(groups, n * length, 1)], dim=2)
+    return p
+
+
+def conv_covariance(
+    x: torch.Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    groups: int,
+    bias: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Computes the per-group Gram matrices ``scale * Pb_k^T Pb_k`` of conv patches.
+
+    Args:
+        x: (N, C, H, W) input of the convolution.
+        kernel_size: (kh, kw).
+        stride: (sh, sw).
+        padding: symmetric zero padding (ph, pw).
+        dilation: (dh, dw).
+        groups: number of convolution groups.
+        bias: whether the patch matrices get a trailing ones column.
+        scale: multiplier applied to each Gram matrix.
+
+    Returns:
+        Exactly symmetric (groups, d, d) tensor, ``d = C / groups * kh * kw + bias``.
+    """
+    acc = accumulate_dtype(x.dtype)
+    p = conv_patches(x.to(acc), kernel_size, stride, padding, dilation, groups, bias)
+    c = torch.bmm(p.transpose(1, 2), p) * scale
+    return _symmetrize(c).to(x.dtype)
+
+
+def covariance_ema_(
+    running: torch.Tensor, x: torch.Tensor, scale: float, *, bias: bool, rho: float
+) -> None:
+    """Updates ``running = rho * running + (1 - rho) * covariance(x, scale, bias)``."""
+    batch = covariance(x.to(running.dtype), scale, bias=bias)
+    running.mul_(rho).add_(batch, alpha=1.0 - rho)
+
+
+def conv_covariance_ema_(
+    running: torch.Tensor,
+    x: torch.Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    groups: int,
+    bias: bool,
+    scale: float,
+    rho: float,
+) -> None:
+    """Updates ``running = rho * running + (1 - rho) * conv_covariance(...)``."""
+    batch = conv_covariance(
+        x.to(running.dtype), kernel_size, stride, padding, dilation, groups, bias, scale
+    )
+    running.mul_(rho).add_(batch, alpha=1.0 - rho)
+
+
+def eigen_precondition(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    da: torch.Tensor | None,
+    dg: torch.Tensor | None,
+    dgda: torch.Tensor | None,
+    damping: float,
+) -> torch.Tensor:
+    """Preconditions ``grad`` with the eigendecompositions of the K-FAC factors.
+
+    Computes ``QG ((QG^T grad QA) / (dg da^T + damping)) QA^T`` or, when
+    ``dgda`` is given, ``QG ((QG^T grad QA) * dgda) QA^T``.
+
+    Args:
+        grad: (B, m, n) or (m, n) gradient.
+        qa: (B, n, n) or (n, n) eigenvectors of the A factor.
+        qg: (B, m, m) or (m, m) eigenvectors of the G factor.
+        da: (B, n) or (n,) eigenvalues of A, or None when ``dgda`` is given.
+        dg: (B, m) or (m,) eigenvalues of G, or None when ``dgda`` is given.
+        dgda: (B, m, n) or (m, n) precomputed ``1 / (dg da^T + damping)``.
+        damping: damping added to the eigenvalue outer product.
+
+    Returns:
+        Preconditioned gradient, same shape and dtype as ``grad``.
+    """
+    v = qg.transpose(-1, -2) @ grad @ qa
+    if dgda is not None:
+        v = v * dgda
+    else:
+        assert da is not None and dg is not None
+        v = v / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
+    return qg @ v @ qa.transpose(-1, -2)
+
+
+def eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched symmetric eigendecomposition (ascending eigenvalues).
+
+    Args:
+        a: (..., n, n) symmetric matrices.
+
+    Returns:
+        Tuple of eigenvalues (..., n) and eigenvectors (..., n, n).
+    """
+    vals, vecs = torch.linalg.eigh(a)
+    return vals, vecs
