@@ -400,24 +400,24 @@ class KFACPreconditioner:
                     pairs.append((layer, grad, precond, None))
         if not pairs:
             return
-        # Per-layer finiteness as device tensors: a layer whose preconditioned gradient is
-        # non-finite keeps its original gradient and is left out of the KL sum.
-        finite = [
-            torch.isfinite(p).all() if valid is None else torch.isfinite(p).all() & valid
-            for _, _, p, valid in pairs
-        ]
+        # Per-layer finiteness as device tensors (no host sync): a layer whose preconditioned
+        # gradient is non-finite keeps its original gradient and is left out of the KL sum.
+        # A non-finite element of P makes sum(P * grad) (or sum(P)) non-finite, so one
+        # reduction per layer decides.
+        checks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for _, g, p, valid in pairs:
+            acc = torch.promote_types(p.dtype, torch.float32)
+            t = (p.to(acc) * g.to(acc)).sum() if kl_clip is not None else p.sum(dtype=acc)
+            ok = torch.isfinite(t)
+            checks.append((t, ok if valid is None else ok & valid))
         nu: torch.Tensor | None = None
         if kl_clip is not None:
-            terms = []
-            for (_, g, p, _), ok in zip(pairs, finite, strict=True):
-                acc = torch.promote_types(p.dtype, torch.float32)
-                t = (p.to(acc) * g.to(acc)).sum()
-                terms.append(torch.where(ok & torch.isfinite(t), t, torch.zeros_like(t)))
-            device = terms[0].device
-            vg = torch.stack([t.to(device, torch.float64) for t in terms]).sum() * (lr * lr)
+            device = checks[0][0].device
+            terms = [torch.where(ok, t, torch.zeros_like(t)).to(device) for t, ok in checks]
+            vg = torch.stack(terms).to(torch.float64).sum() * (lr * lr)
             ratio = torch.sqrt(kl_clip / vg.abs())
             nu = torch.where(vg == 0, torch.ones_like(vg), ratio.clamp(max=1.0))
-        for (layer, g, p, _), ok in zip(pairs, finite, strict=True):
+        for (layer, g, p, _), (_, ok) in zip(pairs, checks, strict=True):
             scaled = p if nu is None else p * nu.to(p.device, p.dtype)
             layer.write_grad(torch.where(ok, scaled, g))
 
@@ -579,5 +579,10 @@ def _fold(
 
 @contextmanager
 def _no_autocast(t: torch.Tensor) -> Iterator[None]:
-    with torch.no_grad(), torch.autocast(device_type=t.device.type, enabled=False):
-        yield
+    """No autograd and, when autocast is on, full precision for factor computations."""
+    if torch.is_autocast_enabled(t.device.type):
+        with torch.no_grad(), torch.autocast(device_type=t.device.type, enabled=False):
+            yield
+    else:
+        with torch.no_grad():
+            yield

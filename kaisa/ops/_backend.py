@@ -112,6 +112,7 @@ def use_backend(name: str) -> Iterator[None]:
 
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}
 _WARNED_NO_KERNEL: set[tuple[str, str]] = set()
+_HAS_KERNEL: dict[tuple[str, str], bool] = {}  # the dispatcher query costs ~10 us a call
 
 
 def _use_ext(op: str, device: torch.device) -> bool:
@@ -126,8 +127,13 @@ def _use_ext(op: str, device: torch.device) -> bool:
     if torch.compiler.is_compiling():
         return True  # the dispatcher query is not traceable; fake kernels cover tracing
     key = _DEVICE_KEYS.get(device.type)
-    if key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"kaisa::{op}", key):
-        return True
+    if key is not None:
+        has = _HAS_KERNEL.get((op, key))
+        if has is None:
+            has = torch._C._dispatch_has_kernel_for_dispatch_key(f"kaisa::{op}", key)
+            _HAS_KERNEL[(op, key)] = has
+        if has:
+            return True
     if (op, device.type) not in _WARNED_NO_KERNEL:
         _WARNED_NO_KERNEL.add((op, device.type))
         warnings.warn(
