@@ -112,7 +112,7 @@ def main() -> None:
         results["models"][name] = entry  # type: ignore[index]
         split = ", ".join(f"{k} {v / args.iters * 1e3:.0f} ms" for k, v in phases.items())
         print(f"{name:9s} SGD {sgd_med * 1e3:8.1f} ms  K-FAC {kfac_med * 1e3:8.1f} ms  "
-              f"ratio {kfac_med / sgd_med:.2f}x  K-FAC phases per iteration: {split}")
+              f"ratio {kfac_med / sgd_med:.2f}x  K-FAC phases, mean per iteration: {split}")
     out = args.out or Path(__file__).parent / "results" / f"step_overhead_{ops.backend()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

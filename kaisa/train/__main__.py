@@ -1,0 +1,5 @@
+"""``python -m kaisa.train``: same as the ``kaisa-train`` command."""
+
+from kaisa.train.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Training configurations: ``--compare`` specs and tuned per-task defaults.
+
+A configuration is ``OPTIMIZER[+kfac][@key=value...]``, e.g. ``sgd``,
+``adamw+kfac`` or ``sgd+kfac@lr=0.3@damping=0.01``. Overrides accept the
+destination of any optimisation or ``--kfac-*`` flag (``lr``, ``momentum``,
+``weight-decay``, ``damping``, ``kl-clip``, ``inv-update-steps`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kaisa.train.optim import OPTIMIZERS
+
+#: Option destinations a ``@key=value`` override may change. Everything else
+#: (model, data, batch size, budget, seed) is shared so comparisons are fair.
+OVERRIDABLE: frozenset[str] = frozenset(
+    {"lr", "momentum", "nesterov", "weight_decay", "schedule", "warmup_epochs"}
+)
+
+#: Defaults used when a flag is not given, by (task, optimizer, kfac). Tuned on
+#: digits with ``bench/convergence.py`` (see docs/training.md); other datasets
+#: fall back to the ``None`` task entries.
+TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
+    ("autoencode", "sgd", False): {"lr": 2.0},
+    ("autoencode", "adamw", False): {"lr": 3e-3},
+    ("autoencode", "sgd", True): {
+        "lr": 0.3,
+        "kfac_damping": 0.03,
+        "kfac_factor_update_steps": 5,
+        "kfac_inv_update_steps": 20,
+    },
+    ("autoencode", "adamw", True): {"lr": 1e-3, "kfac_damping": 0.03},  # not tuned
+    ("classify", "sgd", False): {"lr": 0.1},
+    ("classify", "adamw", False): {"lr": 1e-2},
+    ("classify", "sgd", True): {
+        "lr": 0.3,
+        "kfac_damping": 0.1,
+        "kfac_factor_update_steps": 5,
+        "kfac_inv_update_steps": 20,
+    },
+    ("classify", "adamw", True): {"lr": 1e-3, "kfac_damping": 0.1},  # not tuned
+    (None, "sgd", False): {"lr": 0.1},
+    (None, "adamw", False): {"lr": 1e-3},
+    (None, "sgd", True): {"lr": 0.1},
+    (None, "adamw", True): {"lr": 1e-3},
+}
+
+#: Fallbacks for options whose CLI default is ``None`` ("tuned").
+FALLBACK: dict[str, Any] = {
+    "kfac_damping": 0.001,
+    "kfac_kl_clip": "0.001",
+    "kfac_factor_update_steps": 1,
+    "kfac_inv_update_steps": 10,
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration of a (possibly single-entry) comparison."""
+
+    optimizer: str
+    kfac: bool
+    overrides: dict[str, str] = field(default_factory=dict)
+    text: str = ""
+
+    @property
+    def label(self) -> str:
+        """Display name, e.g. ``sgd+kfac@lr=0.3``."""
+        return self.text or self.optimizer + ("+kfac" if self.kfac else "")
+
+    @property
+    def slug(self) -> str:
+        """File-system-safe form of :attr:`label`."""
+        return re.sub(r"[^A-Za-z0-9.+=-]+", "_", self.label)
+
+
+def _override_dest(key: str, parser: argparse.ArgumentParser) -> argparse.Action:
+    name = key.strip().lower().replace("-", "_")
+    actions = {action.dest: action for action in parser._actions}
+    for dest in (name, f"kfac_{name}"):
+        if dest in actions and (dest in OVERRIDABLE or dest.startswith("kfac_")):
+            return actions[dest]
+    raise ValueError(
+        f"cannot override {key!r} per configuration; overridable: "
+        f"{', '.join(sorted(o.replace('_', '-') for o in OVERRIDABLE))} and any kfac-* option"
+    )
+
+
+def parse_spec(text: str, parser: argparse.ArgumentParser) -> RunSpec:
+    """Parse one ``OPTIMIZER[+kfac][@key=value...]`` item.
+
+    Raises:
+        ValueError: For an unknown optimiser, suffix or override key.
+    """
+    base, *items = text.strip().split("@")
+    optimizer, plus, suffix = base.partition("+")
+    if optimizer not in OPTIMIZERS or (plus and suffix != "kfac"):
+        raise ValueError(
+            f"invalid configuration {text!r}: expected OPTIMIZER[+kfac][@key=value...] "
+            f"with OPTIMIZER one of {', '.join(OPTIMIZERS)}"
+        )
+    overrides: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not value:
+            raise ValueError(f"invalid override {item!r} in {text!r}: expected key=value")
+        overrides[_override_dest(key, parser).dest] = value
+    return RunSpec(optimizer=optimizer, kfac=bool(plus), overrides=overrides, text=text.strip())
+
+
+def _convert(action: argparse.Action, value: str) -> Any:
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true/false for {action.dest}, got {value!r}")
+    converted = action.type(value) if callable(action.type) else value
+    if action.choices is not None and converted not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise ValueError(f"invalid {action.dest} {value!r}; choose from {choices}")
+    return converted
+
+
+def resolve(
+    spec: RunSpec, options: argparse.Namespace, parser: argparse.ArgumentParser
+) -> argparse.Namespace:
+    """Options for ``spec``: shared flags, then its overrides, then tuned defaults."""
+    resolved = copy.copy(options)
+    resolved.optimizer, resolved.kfac, resolved.label = spec.optimizer, spec.kfac, spec.label
+    actions = {action.dest: action for action in parser._actions}
+    for dest, value in spec.overrides.items():
+        try:
+            setattr(resolved, dest, _convert(actions[dest], value))
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+            raise ValueError(
+                f"invalid value {value!r} for {dest} in {spec.label!r}: {error}"
+            ) from error
+    task = options.task if options.dataset == "digits" else None
+    tuned = TUNED[(task, spec.optimizer, spec.kfac)] | {
+        k: v for k, v in FALLBACK.items() if k not in TUNED[(task, spec.optimizer, spec.kfac)]
+    }
+    for dest, value in tuned.items():
+        if getattr(resolved, dest, None) is None:
+            setattr(resolved, dest, value)
+    return resolved

@@ -1,0 +1,136 @@
+"""Optimisers, learning-rate schedules and the K-FAC preconditioner from CLI options."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
+STRATEGIES: tuple[str, ...] = ("comm_opt", "mem_opt", "hybrid_opt")
+DTYPES: dict[str, torch.dtype | None] = {
+    "none": None,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def build_optimizer(params: Any, options: argparse.Namespace) -> torch.optim.Optimizer:
+    """Create the SGD or AdamW optimiser described by ``options``."""
+    if options.optimizer == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=options.lr,
+            momentum=options.momentum,
+            nesterov=options.nesterov,
+            weight_decay=options.weight_decay,
+        )
+    if options.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+    raise ValueError(f"unknown optimizer {options.optimizer!r}; choose from {OPTIMIZERS}")
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the base learning rate at iteration ``step``.
+
+    Linear warmup over ``warmup_steps``, then ``constant``, ``cosine`` (to zero
+    at ``total_steps``) or ``step`` (x0.1 at 50% and again at 75% of
+    ``total_steps``).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "step":
+        return 0.1 ** ((progress >= 0.5) + (progress >= 0.75))
+    raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, options: argparse.Namespace, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-iteration schedule over ``options.epochs`` epochs with warmup."""
+    warmup = round(options.warmup_epochs * steps_per_epoch)
+    total = options.epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        return lr_factor(step, schedule=options.schedule, warmup_steps=warmup, total_steps=total)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def parse_worker_fraction(text: str) -> Any:
+    """Parse ``--kfac-grad-worker-fraction``: a strategy name, ``auto`` or a float in (0, 1]."""
+    lowered = text.lower().replace("-", "_")
+    if lowered == "auto":
+        return "auto"
+    if lowered in STRATEGIES:
+        import kaisa
+
+        return kaisa.DistributedStrategy(lowered)
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(STRATEGIES)}, auto or a float, got {text!r}"
+        ) from None
+
+
+def parse_kl_clip(text: str) -> float | None:
+    """Parse ``--kfac-kl-clip``: a float or ``none`` to disable clipping."""
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a float or 'none', got {text!r}") from None
+
+
+def build_preconditioner(
+    model: nn.Module, options: argparse.Namespace, optimizer: torch.optim.Optimizer
+) -> Any:
+    """Create a :class:`kaisa.KFACPreconditioner` from the ``--kfac-*`` options.
+
+    The preconditioner's ``lr`` follows the optimiser's (scheduled) learning
+    rate, so the KL clip sees the step size actually taken.
+
+    Raises:
+        ValueError: From the preconditioner, for invalid arguments or a model
+            without supported layers.
+    """
+    import kaisa
+
+    skip = [name for name in options.kfac_skip_layers.split(",") if name] or None
+    return kaisa.KFACPreconditioner(
+        model,
+        factor_update_steps=options.kfac_factor_update_steps,
+        inv_update_steps=options.kfac_inv_update_steps,
+        damping=options.kfac_damping,
+        factor_decay=options.kfac_factor_decay,
+        kl_clip=parse_kl_clip(str(options.kfac_kl_clip)),
+        lr=lambda _step: float(optimizer.param_groups[0]["lr"]),
+        accumulation_steps=options.accumulation_steps,
+        allreduce_bucket_cap_mb=options.kfac_bucket_cap_mb,
+        assignment_strategy=options.kfac_assignment_strategy,
+        colocate_factors=options.kfac_colocate_factors,
+        compute_method=options.kfac_compute_method,
+        compute_eigenvalue_outer_product=options.kfac_eigenvalue_outer_product,
+        grad_worker_fraction=options.kfac_grad_worker_fraction,
+        memory_budget_mb=options.kfac_memory_budget_mb,
+        symmetry_aware=options.kfac_symmetry_aware,
+        factor_dtype=DTYPES[options.kfac_factor_dtype],
+        inv_dtype=DTYPES[options.kfac_inv_dtype] or torch.float32,
+        skip_layers=skip,
+        update_factors_in_hook=options.kfac_update_factors_in_hook,
+        loglevel=getattr(logging, options.kfac_loglevel),
+    )

@@ -1,0 +1,326 @@
+"""Argument parser of ``kaisa-train``: every flag with its help text."""
+
+from __future__ import annotations
+
+import argparse
+
+from kaisa.models import MODELS
+from kaisa.train.data import DATASETS
+from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_kl_clip, parse_worker_fraction
+
+EPILOG = """\
+examples:
+  kaisa-train                                   # digits autoencoder, SGD
+  kaisa-train --compare sgd,adamw,sgd+kfac      # side-by-side comparison + plot/table
+  kaisa-train --task classify --model cnn --kfac --epochs 10
+  kaisa-train --compare sgd@lr=0.1,sgd+kfac@lr=0.3@damping=0.01 --time-budget 10
+  torchrun --standalone --nproc_per_node=2 -m kaisa.train --kfac
+  kaisa-train --dataset cifar10 --data-dir ~/data --task classify --model resnet20 --kfac
+
+Options shown as 'tuned' default to values tuned per task and optimiser on
+digits (see docs/training.md); generic values are used for other datasets.
+"""
+
+
+def _kl_clip(text: str) -> str:
+    parse_kl_clip(text)
+    return text.lower()
+
+
+def _add_kfac(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("K-FAC preconditioner (kaisa.KFACPreconditioner)")
+    group.add_argument("--kfac", action="store_true", help="precondition gradients with K-FAC")
+    add = group.add_argument
+    add(
+        "--kfac-factor-update-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="update the Kronecker factors every N steps (default: tuned; 5 on digits, else 1)",
+    )
+    add(
+        "--kfac-inv-update-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="recompute eigendecompositions/inverses every N steps "
+        "(default: tuned; 20 on digits, else 10)",
+    )
+    add(
+        "--kfac-damping",
+        type=float,
+        default=None,
+        metavar="X",
+        help="Tikhonov damping added to the factors (default: tuned)",
+    )
+    add(
+        "--kfac-factor-decay",
+        type=float,
+        default=0.95,
+        metavar="X",
+        help="running-average decay of the factors (default: %(default)s)",
+    )
+    add(
+        "--kfac-kl-clip",
+        type=_kl_clip,
+        default=None,
+        metavar="X|none",
+        help="KL-clip the preconditioned step; 'none' disables it (default: tuned, 0.001)",
+    )
+    add(
+        "--kfac-compute-method",
+        choices=("eigen", "inverse"),
+        default="eigen",
+        help="second-order method (default: %(default)s)",
+    )
+    add(
+        "--kfac-eigenvalue-outer-product",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="precompute the eigenvalue outer product (eigen method; default: on)",
+    )
+    add(
+        "--kfac-grad-worker-fraction",
+        type=parse_worker_fraction,
+        default="comm_opt",
+        metavar="comm_opt|mem_opt|hybrid_opt|auto|FLOAT",
+        help="KAISA strategy, auto (fit --kfac-memory-budget-mb) or fraction of ranks that "
+        "precondition each layer (default: %(default)s)",
+    )
+    add(
+        "--kfac-assignment-strategy",
+        choices=("compute", "memory"),
+        default="compute",
+        help="cost model for placing layers on ranks (default: %(default)s)",
+    )
+    add(
+        "--kfac-colocate-factors",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compute both factors of a layer on the same rank (default: on)",
+    )
+    add(
+        "--kfac-symmetry-aware",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="communicate only the upper triangle of symmetric factors (default: off)",
+    )
+    add(
+        "--kfac-bucket-cap-mb",
+        type=float,
+        default=25.0,
+        metavar="MB",
+        help="allreduce bucket size in MB (default: %(default)s)",
+    )
+    add(
+        "--kfac-memory-budget-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="per-rank memory budget; only with --kfac-grad-worker-fraction auto",
+    )
+    add(
+        "--kfac-loglevel",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default="DEBUG",
+        help="level of the preconditioner's log messages (default: %(default)s)",
+    )
+    add(
+        "--kfac-factor-dtype",
+        choices=tuple(DTYPES),
+        default="none",
+        help="dtype of the factors; none = parameter dtype (default: %(default)s)",
+    )
+    add(
+        "--kfac-inv-dtype",
+        choices=tuple(k for k in DTYPES if k != "none"),
+        default="float32",
+        help="dtype of the inverses/eigendecompositions (default: %(default)s)",
+    )
+    add(
+        "--kfac-skip-layers",
+        default="",
+        metavar="REGEXES",
+        help="comma-separated regular expressions; layers whose name or class name matches "
+        "one are not preconditioned (e.g. 'fc,Conv2d')",
+    )
+    add(
+        "--kfac-update-factors-in-hook",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="accumulate factors in the forward/backward hooks (default: on)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Create the ``kaisa-train`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="kaisa-train",
+        description="Train small models with SGD/AdamW, optionally K-FAC preconditioned, "
+        "and compare optimisers side by side.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add(
+        "--task",
+        choices=("autoencode", "classify"),
+        default="autoencode",
+        help="autoencode: reconstruct inputs with MSE (classic K-FAC benchmark); "
+        "classify: cross-entropy (default: %(default)s)",
+    )
+    add(
+        "--model",
+        choices=MODELS,
+        default=None,
+        help="model (default: autoencoder for autoencode, cnn for classify)",
+    )
+    add("--dataset", choices=DATASETS, default="digits", help="dataset (default: %(default)s)")
+    add(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="CIFAR-10 directory with data_batch_1..5 and test_batch (or cifar-10-batches-py/)",
+    )
+    add(
+        "--image-size",
+        type=int,
+        default=32,
+        metavar="N",
+        help="synthetic images are N x N (default: %(default)s)",
+    )
+    add(
+        "--in-channels",
+        type=int,
+        default=3,
+        metavar="C",
+        help="channels of synthetic images (default: %(default)s)",
+    )
+    add(
+        "--synthetic-size",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="synthetic training examples (test: N/4; default: %(default)s)",
+    )
+    add(
+        "--augment",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="random crop + flip (default: on for cifar10 only)",
+    )
+    add(
+        "--eval-train",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="evaluate the full training set each epoch (default: on except cifar10)",
+    )
+    add(
+        "--batch-size",
+        type=int,
+        default=128,
+        metavar="N",
+        help="examples per micro-batch and process (default: %(default)s)",
+    )
+    add(
+        "--epochs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="epochs (default: 100 autoencode, 20 classify)",
+    )
+    add(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop each configuration after this much training time",
+    )
+    add("--seed", type=int, default=0, help="seed for weights and data order (default: 0)")
+    add(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="device (default: cuda when available)",
+    )
+    add(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads; 0 = torch's choice (default: 1 for digits, where tiny models "
+        "run fastest single-threaded, else 0)",
+    )
+    group = parser.add_argument_group("optimisation")
+    add = group.add_argument
+    add("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimiser (default: %(default)s)")
+    add("--lr", type=float, default=None, help="base learning rate (default: tuned)")
+    add("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
+    add(
+        "--nesterov",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Nesterov momentum for SGD (default: off)",
+    )
+    add("--weight-decay", type=float, default=0.0, help="weight decay (default: %(default)s)")
+    add(
+        "--schedule",
+        choices=SCHEDULES,
+        default="constant",
+        help="learning-rate schedule over --epochs (default: %(default)s)",
+    )
+    add(
+        "--warmup-epochs",
+        type=float,
+        default=0.0,
+        metavar="E",
+        help="linear warmup length in epochs (default: %(default)s)",
+    )
+    add(
+        "--accumulation-steps",
+        "--kfac-accumulation-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimiser step, for every configuration and K-FAC "
+        "(default: %(default)s)",
+    )
+    _add_kfac(parser)
+    group = parser.add_argument_group("comparison and output")
+    add = group.add_argument
+    add(
+        "--compare",
+        default=None,
+        metavar="CONFIGS",
+        help="comma-separated configurations OPTIMIZER[+kfac][@key=value...], e.g. "
+        "sgd,adamw,sgd+kfac@lr=0.3; each runs with the same seed, weights, data order, budget",
+    )
+    add(
+        "--target",
+        type=float,
+        default=None,
+        help="target: test accuracy (classify, default 0.97) or full-train MSE "
+        "(autoencode, default 0.02)",
+    )
+    add("--name", default=None, help="run name (default: DATASET-MODEL-TASK)")
+    add("--run-dir", default="runs", help="parent directory of runs (default: %(default)s)")
+    add(
+        "--resume",
+        action="store_true",
+        help="continue each configuration from runs/NAME/checkpoint*.pt",
+    )
+    add(
+        "--plot",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write runs/NAME/comparison.png (default: on)",
+    )
+    add(
+        "--log-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="print a summary line every N epochs (default: %(default)s)",
+    )
+    add("--quiet", action="store_true", help="no progress bar and no per-epoch lines")
+    return parser

@@ -1,0 +1,176 @@
+"""What the user sees: epoch lines, metrics.jsonl, the comparison plot and table."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from kaisa.train.trainer import Record, RunResult
+
+
+@dataclass(frozen=True)
+class Metric:
+    """The metric a task is judged by and its ``--target`` direction."""
+
+    key: str
+    title: str
+    higher_is_better: bool
+
+    def reached(self, value: float, target: float) -> bool:
+        """Whether ``value`` meets ``target``."""
+        return value >= target if self.higher_is_better else value <= target
+
+
+def target_metric(task: str, eval_train: bool) -> Metric:
+    """Test accuracy for classify; full-train-set MSE (eval mode) for autoencode."""
+    if task == "classify":
+        return Metric("test_acc", "test accuracy", True)
+    if eval_train:
+        return Metric("train_mse", "train MSE (full set, eval mode)", False)
+    return Metric("test_mse", "test MSE", False)
+
+
+def time_to_target(history: Sequence[Record], metric: Metric, target: float) -> Record | None:
+    """First record whose metric meets ``target`` (None if never)."""
+    for record in history:
+        value = record.get(metric.key)
+        if value is not None and not math.isnan(value) and metric.reached(value, target):
+            return record
+    return None
+
+
+class MetricsFile:
+    """Append-only ``metrics.jsonl``; one JSON object per configuration and epoch."""
+
+    def __init__(self, *, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._handle: TextIO = path.open("w", encoding="utf-8")
+
+    def write(self, record: Record) -> None:
+        """Append ``record`` (NaNs become ``null``) and flush."""
+        clean = {
+            k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()
+        }
+        self._handle.write(json.dumps(clean) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._handle.close()
+
+
+def epoch_line(record: Record, epochs: int) -> str:
+    """One human-readable summary line for an epoch record."""
+    parts = [f"[{record['config']}] epoch {record['epoch']:>3}/{epochs}", f"{record['time']:7.2f}s"]
+    for key in ("train_loss", "train_mse", "train_acc", "test_loss", "test_mse", "test_acc"):
+        value = record.get(key)
+        if value is not None and not math.isnan(value):
+            parts.append(f"{key} {value:.4f}")
+    parts.append(f"lr {record['lr']:.3g}")
+    kfac = record.get("kfac")
+    if kfac:
+        split = "/".join(
+            f"{kfac.get(k, 0.0):.2f}"
+            for k in ("factors", "communication", "decompositions", "preconditioning")
+        )
+        parts.append(f"kfac f/c/d/p {split}s")
+    return "  ".join(parts)
+
+
+def summary_rows(
+    results: Sequence[RunResult], metric: Metric, target: float
+) -> list[dict[str, Any]]:
+    """Per-configuration summary: time/epochs to target, best metric, s/iter."""
+    rows = []
+    for result in results:
+        history = [r for r in result.history if r["epoch"] > 0] or result.history
+        values = [r[metric.key] for r in history if r.get(metric.key) is not None]
+        values = [v for v in values if not math.isnan(v)]
+        best = (max if metric.higher_is_better else min)(values) if values else math.nan
+        hit = time_to_target(result.history, metric, target)
+        rows.append(
+            {
+                "config": result.label,
+                "epochs": result.history[-1]["epoch"],
+                "steps": result.steps,
+                "train_time": result.train_time,
+                "seconds_per_iter": result.train_time / max(1, result.steps),
+                "time_to_target": hit["time"] if hit else None,
+                "epochs_to_target": hit["epoch"] if hit else None,
+                f"best_{metric.key}": best,
+                f"final_{metric.key}": values[-1] if values else math.nan,
+                "init_checksum": result.init_checksum,
+                "diverged": result.diverged,
+            }
+        )
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]], metric: Metric, target: float) -> str:
+    """Markdown table of :func:`summary_rows`."""
+    header = (
+        f"| config | epochs | train time (s) | ms/iter | time to {target:g} (s) "
+        f"| epochs to {target:g} | best {metric.key} | final {metric.key} |"
+    )
+    lines = [header, "|" + "---|" * 8]
+    for row in rows:
+        reach = f"{row['time_to_target']:.2f}" if row["time_to_target"] is not None else "-"
+        epochs = str(row["epochs_to_target"]) if row["epochs_to_target"] is not None else "-"
+        if row["diverged"]:
+            reach = epochs = "diverged"
+        lines.append(
+            f"| {row['config']} | {row['epochs']} | {row['train_time']:.2f} "
+            f"| {row['seconds_per_iter'] * 1e3:.2f} | {reach} | {epochs} "
+            f"| {row[f'best_{metric.key}']:.4f} | {row[f'final_{metric.key}']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(
+    results: Sequence[RunResult], metric: Metric, target: float, task: str, path: Path
+) -> None:
+    """Save a 2x2 figure: test metric and train loss against wall time and epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    test_key = "test_acc" if task == "classify" else "test_mse"
+    rows = [(test_key, test_key.replace("_", " ")), (_train_key(results, task), "")]
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7.5), squeeze=False)
+    for row, (key, title) in enumerate(rows):
+        for column, x_key in enumerate(("time", "epoch")):
+            axis = axes[row][column]
+            for result in results:
+                points = [(r[x_key], r[key]) for r in result.history if r.get(key) is not None]
+                points = [(x, y) for x, y in points if not math.isnan(y)]
+                if not points:
+                    continue
+                (line,) = axis.plot(*zip(*points, strict=True), label=result.label)
+                hit = time_to_target(result.history, metric, target)
+                if hit is not None and key == metric.key:
+                    axis.axvline(hit[x_key], color=line.get_color(), linestyle=":", alpha=0.8)
+            if key == metric.key:
+                axis.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+            if task == "autoencode" or key.endswith("loss"):
+                axis.set_yscale("log")
+            axis.set_xlabel("training wall time (s)" if x_key == "time" else "epoch")
+            axis.set_ylabel(title or key.replace("_", " "))
+            axis.grid(alpha=0.3)
+    axes[0][0].legend()
+    figure.suptitle(f"{task}: dotted lines mark reaching {metric.title} target {target:g}")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _train_key(results: Sequence[RunResult], task: str) -> str:
+    eval_key = "train_mse" if task == "autoencode" else "train_eval_loss"
+    has_eval = any(r.get(eval_key) is not None for res in results for r in res.history)
+    return eval_key if has_eval else "train_loss"

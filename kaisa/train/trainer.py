@@ -1,0 +1,358 @@
+"""Train one configuration: epochs or a time budget, metrics, checkpoints, resume."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler, TensorDataset
+from tqdm import tqdm
+
+from kaisa.models import build_model
+from kaisa.train import checkpoint
+from kaisa.train.data import Dataset, augment_batch
+from kaisa.train.distributed import DistContext, all_reduce_sum
+from kaisa.train.optim import build_optimizer, build_preconditioner, build_scheduler
+
+Record = dict[str, Any]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+    def __init__(
+        self, *, label: str, epoch: int, step: int, value: float, history: list[Record]
+    ) -> None:
+        super().__init__(
+            f"non-finite loss ({value}) in configuration {label!r} at epoch {epoch}, step {step}"
+        )
+        self.epoch = epoch
+        self.step = step
+        self.history = history
+
+
+@dataclass
+class RunResult:
+    """Outcome of :func:`train`: per-epoch records and totals."""
+
+    label: str
+    history: list[Record] = field(default_factory=list)
+    steps: int = 0
+    train_time: float = 0.0
+    init_checksum: str = ""
+    diverged: str | None = None
+
+
+def fingerprint(model: nn.Module) -> str:
+    """Short SHA-256 of all parameters (equal for identically initialised models)."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
+def build(options: argparse.Namespace, data: Dataset, context: DistContext) -> nn.Module:
+    """Build the model of ``options`` seeded with ``options.seed`` (same for every config)."""
+    torch.manual_seed(options.seed)
+    model = build_model(
+        options.model,
+        in_channels=data.in_channels,
+        image_size=data.image_size,
+        num_classes=data.num_classes,
+        input_dim=data.input_dim,
+    )
+    return model.to(context.device)
+
+
+def loss_fn(task: str, output: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """MSE reconstruction loss (autoencode) or cross-entropy (classify)."""
+    if task == "autoencode":
+        return F.mse_loss(output, x.flatten(1))
+    return F.cross_entropy(output, y)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, task: str, x: torch.Tensor, y: torch.Tensor, context: DistContext
+) -> tuple[float, float]:
+    """Mean loss and accuracy over ``(x, y)`` in eval mode, sharded over ranks.
+
+    For ``autoencode`` the loss is the per-element MSE and the accuracy is NaN.
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=context.device)
+    for start in range(context.rank * 1024, len(x), context.world_size * 1024):
+        xb = x[start : start + 1024].to(context.device)
+        yb = y[start : start + 1024].to(context.device)
+        out = model(xb)
+        totals[0] += loss_fn(task, out, xb, yb).double() * len(xb)
+        if task == "classify":
+            totals[1] += (out.argmax(1) == yb).sum()
+        totals[2] += len(xb)
+    all_reduce_sum(totals, context)
+    model.train(was_training)
+    loss = float(totals[0] / totals[2])
+    accuracy = float(totals[1] / totals[2]) if task == "classify" else math.nan
+    return loss, accuracy
+
+
+def epoch_record(
+    options: argparse.Namespace, model: nn.Module, data: Dataset, context: DistContext
+) -> Record:
+    """Evaluation part of a metrics record (test set, and train set if enabled)."""
+    task = options.task
+    record: Record = {}
+    if options.eval_train:
+        loss, accuracy = evaluate(model, task, data.train_x, data.train_y, context)
+        record["train_eval_loss"] = loss
+        record["train_mse" if task == "autoencode" else "train_acc"] = (
+            loss if task == "autoencode" else accuracy
+        )
+    loss, accuracy = evaluate(model, task, data.test_x, data.test_y, context)
+    record["test_loss"] = loss
+    record["test_mse" if task == "autoencode" else "test_acc"] = (
+        loss if task == "autoencode" else accuracy
+    )
+    return record
+
+
+class Trainer:
+    """Model, optimiser, schedule and preconditioner of one configuration."""
+
+    def __init__(
+        self,
+        options: argparse.Namespace,
+        data: Dataset,
+        context: DistContext,
+        *,
+        checkpoint_path: Path,
+        on_record: Callable[[Record], None],
+    ) -> None:
+        self.options, self.data, self.context = options, data, context
+        self.checkpoint_path, self.on_record = checkpoint_path, on_record
+        self.model = build(options, data, context)
+        self.result = RunResult(label=options.label, init_checksum=fingerprint(self.model))
+        self.net: nn.Module = DistributedDataParallel(self.model) if context.enabled else self.model
+        self.optimizer = build_optimizer(self.model.parameters(), options)
+        self.sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+            TensorDataset(data.train_x),
+            num_replicas=context.world_size,
+            rank=context.rank,
+            shuffle=True,
+            seed=options.seed,
+        )
+        self.micro_batches = math.ceil(len(self.sampler) / options.batch_size)
+        steps_per_epoch = math.ceil(self.micro_batches / options.accumulation_steps)
+        self.scheduler = build_scheduler(self.optimizer, options, steps_per_epoch)
+        self.pre = (
+            build_preconditioner(self.model, options, self.optimizer) if options.kfac else None
+        )
+        self.kfac_offset: dict[str, float] = {}
+        self.epoch = 0
+        self.started = time.perf_counter()
+
+    def resume(self) -> None:
+        """Restore everything from the checkpoint and replay its history to ``on_record``."""
+        state = checkpoint.load(self.checkpoint_path, self.context.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.pre is not None:
+            self.pre.load_state_dict(state["preconditioner"])
+        checkpoint.set_rng_state(state["rng"])
+        result = self.result
+        self.epoch, result.steps = state["epoch"], state["steps"]
+        result.train_time, result.history = state["train_time"], state["history"]
+        self.kfac_offset = dict(result.history[-1].get("kfac", {}))
+        self.started -= result.history[-1]["wall"]
+        for record in result.history:
+            self.on_record(record)
+
+    def save(self) -> None:
+        """Write the checkpoint (rank 0); every rank builds the state in case it is collective."""
+        result = self.result
+        state = {
+            "label": self.options.label,
+            "epoch": self.epoch,
+            "steps": result.steps,
+            "train_time": result.train_time,
+            "history": result.history,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "preconditioner": self.pre.state_dict() if self.pre is not None else None,
+        }
+        if self.context.is_main:
+            checkpoint.save(self.checkpoint_path, state)
+
+    def _postfix(self, totals: torch.Tensor) -> dict[str, str]:
+        """Progress-bar fields: running loss and accuracy (classify) or MSE (autoencode)."""
+        loss = float(totals[0] / totals[2])
+        if self.options.task == "classify":
+            return {"loss": f"{loss:.4f}", "acc": f"{float(totals[1] / totals[2]):.3f}"}
+        return {"mse": f"{loss:.4f}"}
+
+    def record(self, running: dict[str, float], partial: bool = False) -> None:
+        """Evaluate, append the epoch's metrics record and hand it to ``on_record``.
+
+        ``running`` holds the minibatch averages of the epoch (``train_loss``
+        and, for classify, ``train_acc``, replaced by the full-set value when
+        ``--eval-train``).
+        """
+        result = self.result
+        record: Record = {
+            "config": self.options.label,
+            "epoch": self.epoch,
+            "step": result.steps,
+            "time": result.train_time,
+            "wall": 0.0,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+        record |= running
+        if partial:
+            record["partial_epoch"] = True
+        record |= epoch_record(self.options, self.model, self.data, self.context)
+        if self.pre is not None:
+            timings = {k: float(v) for k, v in self.pre.timings.items()}
+            record["kfac"] = {k: self.kfac_offset.get(k, 0.0) + v for k, v in timings.items()}
+        record["seconds_per_iter"] = result.train_time / max(1, result.steps)
+        record["wall"] = time.perf_counter() - self.started
+        result.history.append(record)
+        self.on_record(record)
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor, last_micro: bool) -> torch.Tensor:
+        """Forward/backward one micro-batch; precondition and step after the last one.
+
+        Returns:
+            ``[loss, loss * n, correct, n]`` in float64 on the CPU (``correct`` is 0
+            for autoencode).
+        """
+        sync = contextlib.nullcontext()
+        if self.context.enabled and not last_micro:
+            sync = self.net.no_sync()  # type: ignore[operator]
+        with sync:
+            output = self.net(x)
+            loss = loss_fn(self.options.task, output, x, y)
+            (loss / self.options.accumulation_steps).backward()
+        correct = (output.detach().argmax(1) == y).sum() if self.options.task == "classify" else 0
+        if last_micro:
+            if self.pre is not None:
+                self.pre.step()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.result.steps += 1
+        value = loss.detach().double().cpu()
+        return torch.stack(
+            [value, value * len(x), torch.tensor(float(correct)), torch.tensor(float(len(x)))]
+        )
+
+    def run_epoch(self, budget: float, show_bar: bool) -> bool:
+        """Train one epoch (or until ``budget`` seconds); return whether time ran out."""
+        options, context, result = self.options, self.context, self.result
+        self.epoch += 1
+        self.sampler.set_epoch(self.epoch)
+        order = torch.tensor(list(self.sampler))
+        generator = torch.Generator().manual_seed(options.seed * 100_003 + self.epoch)
+        bar = tqdm(
+            total=self.micro_batches,
+            desc=f"{options.label} {self.epoch}",
+            leave=False,
+            disable=not show_bar,
+            unit="it",
+        )
+        totals = torch.zeros(3, dtype=torch.float64)
+        out_of_time, start = False, time.perf_counter()
+        for index in range(self.micro_batches):
+            batch = order[index * options.batch_size : (index + 1) * options.batch_size]
+            x, y = self.data.train_x[batch], self.data.train_y[batch]
+            if options.augment:
+                x = augment_batch(x, generator)
+            last_micro = (index + 1) % options.accumulation_steps == 0
+            stats = self._step(
+                x.to(context.device),
+                y.to(context.device),
+                last_micro or index + 1 == self.micro_batches,
+            )
+            elapsed = result.train_time + time.perf_counter() - start
+            flags = torch.tensor(
+                [float(not torch.isfinite(stats[0])), float(elapsed >= budget)], dtype=torch.float64
+            )
+            all_reduce_sum(flags, context)
+            if flags[0] > 0:
+                bar.close()
+                raise NonFiniteLossError(
+                    label=options.label,
+                    epoch=self.epoch,
+                    step=index + 1,
+                    value=float(stats[0]),
+                    history=result.history,
+                )
+            totals += stats[1:]
+            bar.update()
+            if index % 5 == 0:
+                bar.set_postfix(self._postfix(totals), refresh=False)
+            if flags[1] > 0:
+                out_of_time = True
+                break
+        if context.device.type == "cuda":
+            torch.cuda.synchronize()
+        result.train_time += time.perf_counter() - start
+        bar.close()
+        all_reduce_sum(totals, context)
+        running = {"train_loss": float(totals[0] / totals[2])}
+        if options.task == "classify":
+            running["train_acc"] = float(totals[1] / totals[2])
+        self.record(running, partial=index + 1 < self.micro_batches)
+        self.save()
+        return out_of_time
+
+
+def train(
+    options: argparse.Namespace,
+    data: Dataset,
+    context: DistContext,
+    *,
+    checkpoint_path: Path,
+    on_record: Callable[[Record], None],
+) -> RunResult:
+    """Train the configuration ``options.label`` and return its history.
+
+    Saves ``checkpoint_path`` after every epoch; with ``options.resume`` it
+    continues from that checkpoint. Stops after ``options.epochs`` epochs or
+    ``options.time_budget`` seconds of training (evaluation excluded). Raises
+    :class:`NonFiniteLossError` on a NaN or infinite loss, leaving the last
+    good checkpoint in place.
+    """
+    if not options.resume and context.is_main:
+        checkpoint_path.unlink(missing_ok=True)
+    trainer = Trainer(options, data, context, checkpoint_path=checkpoint_path, on_record=on_record)
+    if options.resume and checkpoint_path.is_file():
+        trainer.resume()
+    else:
+        if options.resume and context.is_main:
+            print(
+                f"kaisa-train: no {checkpoint_path} to resume; starting from scratch",
+                file=sys.stderr,
+            )
+        trainer.record({"train_loss": math.nan})
+    budget = options.time_budget or math.inf
+    show_bar = context.is_main and not options.quiet and sys.stderr.isatty()
+    out_of_time = trainer.result.train_time >= budget
+    while trainer.epoch < options.epochs and not out_of_time:
+        out_of_time = trainer.run_epoch(budget, show_bar)
+    return trainer.result

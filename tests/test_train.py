@@ -1,0 +1,199 @@
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kaisa.train import data
+from kaisa.train.cli import main
+from kaisa.train.optim import lr_factor
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--run-dir", str(tmp_path), "--quiet", "--batch-size", "256", "--epochs", "1", *extra]
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- data -------------------------------------------------------------------------------
+
+
+def test_digits_split_is_fixed_stratified_and_scaled() -> None:
+    first, second = data.load_digits(), data.load_digits()
+    assert first.train_x.shape == (1437, 1, 8, 8) and first.test_x.shape == (360, 1, 8, 8)
+    assert torch.equal(first.train_x, second.train_x) and torch.equal(first.test_y, second.test_y)
+    assert float(first.train_x.min()) >= 0.0 and float(first.train_x.max()) == 1.0
+    counts = torch.bincount(first.test_y, minlength=10)
+    assert int(counts.min()) >= 35 and int(counts.max()) <= 37
+    assert first.input_dim == 64
+
+
+def test_cifar10_reader_and_missing_layout(tmp_path: Path) -> None:
+    with pytest.raises(data.DatasetError, match=r"data_batch_1.*test_batch"):
+        data.load_cifar10(tmp_path)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name in data.CIFAR_FILES:
+        batch = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": [1, 2, 3, 4]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    loaded = data.load_cifar10(tmp_path)
+    assert loaded.train_x.shape == (20, 3, 32, 32) and loaded.test_x.shape == (4, 3, 32, 32)
+    assert loaded.train_y.tolist()[:4] == [1, 2, 3, 4]
+
+
+def test_synthetic_and_augment_shapes() -> None:
+    synthetic = data.make_synthetic(train_size=8, test_size=2, image_size=16)
+    assert synthetic.train_x.shape == (8, 3, 16, 16) and synthetic.test_y.shape == (2,)
+    generator = torch.Generator().manual_seed(0)
+    augmented = data.augment_batch(synthetic.train_x, generator)
+    assert augmented.shape == synthetic.train_x.shape
+
+
+def test_lr_schedules() -> None:
+    assert lr_factor(0, schedule="constant", warmup_steps=4, total_steps=10) == 0.25
+    assert lr_factor(4, schedule="cosine", warmup_steps=4, total_steps=10) == 1.0
+    assert lr_factor(10, schedule="cosine", warmup_steps=4, total_steps=10) < 1e-12
+    assert lr_factor(8, schedule="step", warmup_steps=0, total_steps=10) == pytest.approx(0.01)
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+
+def test_smoke_run_writes_metrics_plot_and_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_args(tmp_path, "--name", "smoke", "--task", "classify", "--model", "mlp")) == 0
+    run = tmp_path / "smoke"
+    records = _records(run / "metrics.jsonl")
+    assert [r["epoch"] for r in records] == [0, 1]
+    assert {"time", "wall", "train_loss", "test_loss", "test_acc", "train_acc"} <= set(records[1])
+    assert (run / "comparison.png").stat().st_size > 0
+    assert (run / "checkpoint.pt").exists()
+    assert "| sgd |" in (run / "table.md").read_text()
+    assert "| sgd |" in capsys.readouterr().out
+
+
+def test_compare_uses_same_initial_weights_and_records_kfac_timings(tmp_path: Path) -> None:
+    configs = "sgd,adamw@lr=0.001,sgd+kfac@damping=0.01@kl-clip=none"
+    assert main(_args(tmp_path, "--name", "cmp", "--compare", configs, "--no-plot")) == 0
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert [c["config"] for c in summary["configs"]] == configs.split(",")
+    assert len({c["init_checksum"] for c in summary["configs"]}) == 1
+    records = _records(tmp_path / "cmp" / "metrics.jsonl")
+    kfac = [r for r in records if r["config"] == "sgd+kfac@damping=0.01@kl-clip=none"][-1]
+    assert set(kfac["kfac"]) >= {"factors", "communication", "decompositions", "preconditioning"}
+    first = [r for r in records if r["epoch"] == 0]
+    assert len({r["test_mse"] for r in first}) == 1
+
+
+def test_resume_is_bit_identical_with_kfac(tmp_path: Path) -> None:
+    common = ["--kfac", "--no-plot", "--kfac-inv-update-steps", "4"]
+    assert main(_args(tmp_path, *common, "--name", "split", "--epochs", "2")) == 0
+    assert main(_args(tmp_path, *common, "--name", "split", "--epochs", "4", "--resume")) == 0
+    assert main(_args(tmp_path, *common, "--name", "whole", "--epochs", "4")) == 0
+    split = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
+    whole = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
+    assert split["epoch"] == whole["epoch"] == 4
+    for key, value in whole["model"].items():
+        assert torch.equal(split["model"][key], value), key
+    assert [r["epoch"] for r in _records(tmp_path / "split" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--model", "vgg"], "invalid choice: 'vgg'"),
+        (["--dataset", "mnist"], "invalid choice: 'mnist'"),
+        (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+        (["--compare", "sgd,lamb+kfac"], "OPTIMIZER one of sgd, adamw"),
+        (["--compare", "sgd@epochs=3"], "cannot override 'epochs'"),
+        (["--dataset", "cifar10", "--data-dir", "/nonexistent"], "data_batch_1"),
+        (["--kfac", "--kfac-damping", "-1"], "damping"),
+        (["--kfac", "--kfac-skip-layers", "Linear"], "no supported layer"),
+        (["--kfac", "--kfac-kl-clip", "big"], "expected a float or 'none'"),
+        (["--task", "classify", "--model", "autoencoder"], "only supports --task autoencode"),
+    ],
+)
+def test_bad_input_exits_2_with_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(_args(tmp_path, *argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert "Traceback" not in err
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _args(tmp_path, "--name", "nan", "--no-plot")
+    assert main(args) == 0
+    path = tmp_path / "nan" / "checkpoint.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"] = {k: torch.full_like(v, float("inf")) for k, v in state["model"].items()}
+    torch.save(state, path)
+    assert main([*args, "--epochs", "3", "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert "non-finite loss" in err and "epoch 2, step 1" in err and "checkpoint kept" in err
+    assert torch.load(path, weights_only=False)["epoch"] == 1
+
+
+def test_huge_lr_diverges_with_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_args(tmp_path, "--lr", "1e30", "--no-plot")) == 1
+    assert "non-finite loss" in capsys.readouterr().err
+
+
+def test_python_m_help_documents_every_flag() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kaisa.train", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    for flag in ("--compare", "--time-budget", "--kfac-grad-worker-fraction", "--resume"):
+        assert flag in result.stdout
+
+
+def test_every_preconditioner_argument_has_a_flag() -> None:
+    import inspect
+
+    import kaisa
+    from kaisa.train.options import build_parser
+
+    flags = {o for a in build_parser()._actions for o in a.option_strings}
+    renamed = {
+        "lr": "--lr",  # the preconditioner follows the optimiser's scheduled lr
+        "allreduce_bucket_cap_mb": "--kfac-bucket-cap-mb",
+        "compute_eigenvalue_outer_product": "--kfac-eigenvalue-outer-product",
+    }
+    not_exposed = {"model", "grad_scaler"}  # the app does not use AMP
+    for name in inspect.signature(kaisa.KFACPreconditioner).parameters:
+        if name not in not_exposed:
+            assert renamed.get(name, "--kfac-" + name.replace("_", "-")) in flags, name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_two_processes(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "kaisa.train"]
+    command += _args(tmp_path, "--name", "ddp", "--compare", "sgd,sgd+kfac", "--no-plot")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KAISA_BACKEND": "torch"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "ddp" / "metrics.jsonl")
+    assert [(r["config"], r["epoch"]) for r in records] == [
+        ("sgd", 0),
+        ("sgd", 1),
+        ("sgd+kfac", 0),
+        ("sgd+kfac", 1),
+    ]
+    assert result.stdout.count("| sgd+kfac |") == 1  # printed by rank 0 only
