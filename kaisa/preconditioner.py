@@ -280,8 +280,8 @@ class KFACPreconditioner:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if not self._recording(module) or not isinstance(output, torch.Tensor):
                 return
-            if not output.requires_grad:
-                return
+            if not output.requires_grad or not args or not isinstance(args[0], torch.Tensor):
+                return  # e.g. a keyword-only call: nothing to record, never raise
             layer.hooks_fired = True
             if self._distributed:
                 self._engine.record_forward(layer)

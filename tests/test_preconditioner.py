@@ -304,6 +304,15 @@ def test_multihead_attention_out_proj_left_unpreconditioned():
     assert pre.layers["head"].has_decomposition()
 
 
+def test_keyword_only_call_does_not_break_step():
+    lin = nn.Linear(3, 2)
+    pre = kaisa.KFACPreconditioner(lin)
+    lin(input=torch.randn(4, 3)).sum().backward()
+    raw = lin.weight.grad.clone()
+    pre.step()
+    assert torch.equal(raw, lin.weight.grad) and pre.layers[""].a_factor is None
+
+
 def test_bf16_autocast_factors_are_float32():
     model = _model()
     pre = kaisa.KFACPreconditioner(model)
