@@ -97,22 +97,6 @@ def test_conv_covariance(benchmark: Any, case: str, impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", ["32x64x32x32_k3", "r50_8x128x28x28_k3"])
-def test_conv_covariance_ema(benchmark: Any, case: str, impl: str) -> None:
-    shape, k, s, p = CONV_CASES[case]
-    x = torch.randn(*shape)
-    d = shape[1] * k * k + 1
-    running = torch.eye(d).unsqueeze(0)
-    args = ((k, k), (s, s), (p, p), (1, 1), 1, True, 1.0 / shape[0], 0.95)
-    _set_group(benchmark, f"conv_covariance_ema_/{case}", impl)
-    if impl == "ext":
-        with ops.use_backend("ext"):
-            _run(benchmark, lambda: ops.conv_covariance_ema_(running, x, *args))
-    else:
-        _run(benchmark, lambda: ref.conv_covariance_ema_(running, x, *args), rounds=3)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", list(COV_CASES))
 def test_covariance(benchmark: Any, case: str, impl: str) -> None:
     rows, d = COV_CASES[case]
@@ -150,16 +134,31 @@ def test_eigen_precondition(benchmark: Any, case: str, mode: str, impl: str) -> 
         _run(benchmark, lambda: ref.eigen_precondition(grad, qa, qg, da, dg, dgda, 0.01))
 
 
+# name: (matrices of one size, size); ResNet-32's factor groups (A: 3x3 convs of
+# 16/32/64 channels, G: their outputs) and two larger sizes.
+EIGH_CASES: dict[str, tuple[int, int]] = {
+    "r32_G_10x16": (10, 16),
+    "r32_G_10x64": (10, 64),
+    "r32_A_10x144": (10, 144),
+    "r32_A_10x288": (10, 288),
+    "r32_A_10x576": (10, 576),
+    "4x1152": (4, 1152),
+}
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-def test_eigh(benchmark: Any, impl: str) -> None:
-    a = torch.randn(4, 576, 576)
-    a = a @ a.transpose(1, 2)
-    _set_group(benchmark, "eigh/4x576", impl)
+@pytest.mark.parametrize("case", list(EIGH_CASES))
+def test_eigh(benchmark: Any, case: str, impl: str) -> None:
+    """kaisa's matrix-parallel batched_eigh vs one batched torch.linalg.eigh call."""
+    count, n = EIGH_CASES[case]
+    x = torch.randn(count, n, n + 8)
+    a = x @ x.transpose(1, 2) / n
+    _set_group(benchmark, f"eigh/{case}", impl)
     if impl == "ext":
         with ops.use_backend("ext"):
-            _run(benchmark, lambda: ops.eigh(a), rounds=3)
+            _run(benchmark, lambda: ops.eigh(a), rounds=5)
     else:
-        _run(benchmark, lambda: ref.eigh(a), rounds=3)
+        _run(benchmark, lambda: torch.linalg.eigh(a), rounds=5)
 
 
 _MEMORY_SCRIPT = textwrap.dedent(

@@ -31,3 +31,15 @@ def pytest_benchmark_update_json(config: Any, benchmarks: Any, output_json: dict
         "loadavg_start": list(_LOAD_AT_START),
         "loadavg_end": list(os.getloadavg()),
     }
+
+
+def pytest_runtest_setup(item: Any) -> None:
+    """With a CUDA device, GPU benchmarks fail (never skip) when the CUDA kernels are missing."""
+    import pytest
+
+    import kaisa.ops
+
+    if "gpu" in item.keywords and torch.cuda.is_available():
+        problem = kaisa.ops.cuda_kernels_error()
+        if problem is not None:
+            pytest.fail(f"CUDA device present but {problem}", pytrace=False)

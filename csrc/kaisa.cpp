@@ -1,44 +1,69 @@
 // The kaisa operator library: the single TORCH_LIBRARY block with every schema,
-// the device-independent argument checks, and (when built as the Python
-// extension kaisa._C) a minimal Python module init.
+// the op contract (argument checks shared by the CPU and CUDA kernels, see
+// kaisa.h) and, when built as the Python extension kaisa._C, a minimal module
+// init.
 //
-// Keep the schemas in sync with csrc/SCHEMAS.md; CPU kernels live in
-// csrc/cpu/*.cpp and CUDA kernels in csrc/cuda/*.cu.
+// csrc/SCHEMAS.md documents these schemas; tests/test_ops.py checks it against
+// the registered torch.ops.kaisa.*._schema, so the document cannot drift.
 
 #include "kaisa.h"
 
 #include <torch/library.h>
+
+#include <vector>
 
 #ifdef KAISA_PYTHON_MODULE
 #include <Python.h>
 #endif
 
 namespace kaisa {
+namespace {
 
-void check_conv_args(const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
-  TORCH_CHECK(x.dim() == 4, "kaisa conv_covariance: x must be 4-D (N, C, H, W), got ",
-              x.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()),
-              "kaisa conv_covariance: x must be floating point, got ", x.scalar_type());
-  TORCH_CHECK(kernel_size.size() == 2, "kaisa conv_covariance: kernel_size must have 2 values");
-  TORCH_CHECK(stride.size() == 2, "kaisa conv_covariance: stride must have 2 values");
-  TORCH_CHECK(padding.size() == 2, "kaisa conv_covariance: padding must have 2 values");
-  TORCH_CHECK(dilation.size() == 2, "kaisa conv_covariance: dilation must have 2 values");
+bool supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_dtype(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(supported_float(t.scalar_type()), "kaisa ", op, ": ", name,
+              " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
+}
+
+}  // namespace
+
+void check_device_type(const at::Tensor& t, c10::DeviceType type, const char* op,
+                       const char* name) {
+  TORCH_CHECK(t.device().type() == type, "kaisa ", op, " (", c10::DeviceTypeName(type),
+              " kernel): ", name, " must be on ", c10::DeviceTypeName(type, /*lower_case=*/true),
+              ", got ", t.device());
+}
+
+void check_covariance_args(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "kaisa covariance: x must be 2-D (rows, d), got ", x.sizes());
+  check_dtype(x, "covariance", "x");
+}
+
+void check_conv_covariance_args(const at::Tensor& x, at::IntArrayRef kernel_size,
+                                at::IntArrayRef stride, at::IntArrayRef padding,
+                                at::IntArrayRef dilation, int64_t groups) {
+  const char* op = "kaisa conv_covariance: ";
+  TORCH_CHECK(x.dim() == 4, op, "x must be 4-D (N, C, H, W), got ", x.sizes());
+  check_dtype(x, "conv_covariance", "x");
+  TORCH_CHECK(kernel_size.size() == 2, op, "kernel_size must have 2 values");
+  TORCH_CHECK(stride.size() == 2, op, "stride must have 2 values");
+  TORCH_CHECK(padding.size() == 2, op, "padding must have 2 values");
+  TORCH_CHECK(dilation.size() == 2, op, "dilation must have 2 values");
   for (int i = 0; i < 2; ++i) {
-    TORCH_CHECK(kernel_size[i] >= 1, "kaisa conv_covariance: kernel_size must be >= 1, got ",
-                kernel_size);
-    TORCH_CHECK(stride[i] >= 1, "kaisa conv_covariance: stride must be >= 1, got ", stride);
-    TORCH_CHECK(padding[i] >= 0, "kaisa conv_covariance: padding must be >= 0, got ", padding);
-    TORCH_CHECK(dilation[i] >= 1, "kaisa conv_covariance: dilation must be >= 1, got ",
-                dilation);
+    TORCH_CHECK(kernel_size[i] >= 1, op, "kernel_size must be >= 1, got ", kernel_size);
+    TORCH_CHECK(stride[i] >= 1, op, "stride must be >= 1, got ", stride);
+    TORCH_CHECK(padding[i] >= 0, op, "padding must be >= 0, got ", padding);
+    TORCH_CHECK(dilation[i] >= 1, op, "dilation must be >= 1, got ", dilation);
     const int64_t span = dilation[i] * (kernel_size[i] - 1) + 1;
-    TORCH_CHECK(x.size(2 + i) + 2 * padding[i] >= span,
-                "kaisa conv_covariance: padded input size ", x.size(2 + i) + 2 * padding[i],
-                " is smaller than the dilated kernel extent ", span);
+    TORCH_CHECK(x.size(2 + i) + 2 * padding[i] >= span, op, "padded input size ",
+                x.size(2 + i) + 2 * padding[i], " is smaller than the dilated kernel extent ",
+                span);
   }
-  TORCH_CHECK(groups >= 1, "kaisa conv_covariance: groups must be >= 1, got ", groups);
-  TORCH_CHECK(x.size(1) % groups == 0, "kaisa conv_covariance: groups (", groups,
+  TORCH_CHECK(groups >= 1, op, "groups must be >= 1, got ", groups);
+  TORCH_CHECK(x.size(1) % groups == 0, op, "groups (", groups,
               ") must divide the channel count of x (", x.size(1), ")");
 }
 
@@ -49,24 +74,20 @@ void check_eigen_precondition_args(const at::Tensor& grad, const at::Tensor& qa,
   const char* op = "kaisa eigen_precondition: ";
   TORCH_CHECK(grad.dim() == 2 || grad.dim() == 3, op, "grad must be (m, n) or (B, m, n), got ",
               grad.sizes());
-  TORCH_CHECK(at::isFloatingType(grad.scalar_type()), op, "grad must be floating point, got ",
-              grad.scalar_type());
+  check_dtype(grad, "eigen_precondition", "grad");
   const bool batched = grad.dim() == 3;
   const int64_t m = grad.size(-2);
   const int64_t n = grad.size(-1);
-  auto check_same = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == grad.scalar_type(), op, name, " has dtype ", t.scalar_type(),
-                " but grad has dtype ", grad.scalar_type());
-    TORCH_CHECK(t.device() == grad.device(), op, name, " is on ", t.device(),
-                " but grad is on ", grad.device());
-  };
   auto expect = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape) {
     if (batched) {
       shape.insert(shape.begin(), grad.size(0));
     }
     TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), op, name, " must have shape ",
                 at::IntArrayRef(shape), ", got ", t.sizes());
-    check_same(t, name);
+    TORCH_CHECK(t.scalar_type() == grad.scalar_type(), op, name, " has dtype ", t.scalar_type(),
+                " but grad has dtype ", grad.scalar_type());
+    TORCH_CHECK(t.device() == grad.device(), op, name, " is on ", t.device(),
+                " but grad is on ", grad.device());
   };
   expect(qa, "qa", {n, n});
   expect(qg, "qg", {m, m});
@@ -82,6 +103,15 @@ void check_eigen_precondition_args(const at::Tensor& grad, const at::Tensor& qa,
   }
 }
 
+void check_batched_eigh_args(const at::Tensor& a) {
+  const char* op = "kaisa batched_eigh: ";
+  TORCH_CHECK(a.dim() == 2 || a.dim() == 3, op, "a must be (n, n) or (B, n, n), got ",
+              a.sizes());
+  TORCH_CHECK(a.size(-1) == a.size(-2), op, "a must hold square matrices, got ", a.sizes());
+  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble, op,
+              "a must be float32 or float64, got ", a.scalar_type());
+}
+
 }  // namespace kaisa
 
 TORCH_LIBRARY(kaisa, m) {
@@ -89,11 +119,6 @@ TORCH_LIBRARY(kaisa, m) {
   m.def(
       "conv_covariance(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, "
       "int[2] dilation, int groups, bool bias, float scale) -> Tensor");
-  m.def(
-      "covariance_ema_(Tensor(a!) running, Tensor x, float scale, bool bias, float rho) -> ()");
-  m.def(
-      "conv_covariance_ema_(Tensor(a!) running, Tensor x, int[2] kernel_size, int[2] stride, "
-      "int[2] padding, int[2] dilation, int groups, bool bias, float scale, float rho) -> ()");
   m.def(
       "eigen_precondition(Tensor grad, Tensor qa, Tensor qg, Tensor? da, Tensor? dg, "
       "Tensor? dgda, float damping) -> Tensor");

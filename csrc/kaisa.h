@@ -1,14 +1,22 @@
 // Shared declarations of the kaisa operator library.
 //
-// The operator schemas live in csrc/kaisa.cpp (the single TORCH_LIBRARY block,
-// see csrc/SCHEMAS.md). Backend kernels register against them with
-// TORCH_LIBRARY_IMPL(kaisa, <DispatchKey>, m): CPU kernels in csrc/cpu/*.cpp and
-// CUDA kernels in csrc/cuda/*.cu. The CPU entry points are declared here so the
-// C++ tests (tests/cpp) can call them directly as well as via the dispatcher.
+// csrc/kaisa.cpp holds the single TORCH_LIBRARY(kaisa, m) block (every schema)
+// and the argument checks below. Each op's checks are written once and called
+// first by every backend kernel: the CPU kernels in csrc/cpu/*.cpp and the CUDA
+// kernels in csrc/cuda/*.cu (TORCH_LIBRARY_IMPL(kaisa, <key>, m)). A check
+// never looks at the device type; each kernel adds only "this tensor is on my
+// device". The Python wrappers (kaisa/ops/__init__.py) validate the same
+// contract earlier with ValueError/TypeError, and the fake kernels next to them
+// promise the output shapes.
+//
+// This header only needs at::Tensor, so the CUDA sources (which use
+// per-operator ATen headers) can include it too.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
+#include <cstdint>
 #include <optional>
 #include <tuple>
 
@@ -25,16 +33,36 @@ inline int64_t conv_out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_
   return (in + 2 * p - d * (k - 1) - 1) / s + 1;
 }
 
-// Validates the arguments shared by the conv factor ops (TORCH_CHECK with
-// messages naming the argument). Returns nothing; throws c10::Error on failure.
-void check_conv_args(const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
+// ---------------------------------------------------------------------------
+// The op contract (one check per op, shared by every backend). Each throws
+// c10::Error (a Python RuntimeError) whose message names the op and argument.
+// ---------------------------------------------------------------------------
 
-// Validates the arguments of eigen_precondition.
+// covariance: x is 2-D (rows, d) float32/float64/float16/bfloat16.
+void check_covariance_args(const at::Tensor& x);
+
+// conv_covariance: x is 4-D (N, C, H, W) of a supported dtype; two values per
+// geometry argument, kernel_size/stride/dilation >= 1, padding >= 0, groups
+// divides C, the dilated kernel fits the padded input.
+void check_conv_covariance_args(const at::Tensor& x, at::IntArrayRef kernel_size,
+                                at::IntArrayRef stride, at::IntArrayRef padding,
+                                at::IntArrayRef dilation, int64_t groups);
+
+// eigen_precondition: grad (m, n) or (B, m, n); qa (.., n, n), qg (.., m, m)
+// with the same leading batch; exactly one of (da (.., n), dg (.., m)) and
+// dgda (.., m, n); one dtype and one device for all.
 void check_eigen_precondition_args(const at::Tensor& grad, const at::Tensor& qa,
                                    const at::Tensor& qg, const std::optional<at::Tensor>& da,
                                    const std::optional<at::Tensor>& dg,
                                    const std::optional<at::Tensor>& dgda);
+
+// batched_eigh: a is (n, n) or (B, n, n), float32 or float64.
+void check_batched_eigh_args(const at::Tensor& a);
+
+// Helper for the per-backend device check: every defined tensor must be on a
+// device of `type` (e.g. CPU kernels given a CUDA tensor).
+void check_device_type(const at::Tensor& t, c10::DeviceType type, const char* op,
+                       const char* name);
 
 namespace cpu {
 
@@ -43,14 +71,6 @@ at::Tensor covariance(const at::Tensor& x, double scale, bool bias);
 at::Tensor conv_covariance(const at::Tensor& x, at::IntArrayRef kernel_size,
                            at::IntArrayRef stride, at::IntArrayRef padding,
                            at::IntArrayRef dilation, int64_t groups, bool bias, double scale);
-
-void covariance_ema_(const at::Tensor& running, const at::Tensor& x, double scale, bool bias,
-                     double rho);
-
-void conv_covariance_ema_(const at::Tensor& running, const at::Tensor& x,
-                          at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                          at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                          bool bias, double scale, double rho);
 
 at::Tensor eigen_precondition(const at::Tensor& grad, const at::Tensor& qa, const at::Tensor& qg,
                               const std::optional<at::Tensor>& da,

@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 
+import kaisa.ops
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 
@@ -24,3 +26,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    """With a CUDA device, gpu tests fail (never skip) when the CUDA kernels are missing."""
+    if "gpu" in item.keywords and torch.cuda.is_available():
+        problem = kaisa.ops.cuda_kernels_error()
+        if problem is not None:
+            pytest.fail(f"CUDA device present but {problem}", pytrace=False)

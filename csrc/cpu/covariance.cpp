@@ -1,5 +1,4 @@
-// CPU kernels of the K-FAC factor ops: covariance, conv_covariance and their
-// fused running-average variants.
+// CPU kernels of the K-FAC factor ops: covariance and conv_covariance.
 //
 // All of them reduce to a SYRK, C += alpha * M^T M, over a (rows, d) matrix M:
 //  * only the upper-triangle blocks of an nb x nb block grid are computed
@@ -154,14 +153,6 @@ void mirror_upper_(const at::Tensor& a) {
 // ---------------------------------------------------------------------------
 // covariance
 // ---------------------------------------------------------------------------
-
-void check_covariance_x(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu(), "kaisa covariance (CPU kernel): x must be on the CPU, got ",
-              x.device());
-  TORCH_CHECK(x.dim() == 2, "kaisa covariance: x must be 2-D (rows, d), got ", x.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()),
-              "kaisa covariance: x must be floating point, got ", x.scalar_type());
-}
 
 // acc (1, d, d) contiguous accumulator; adds alpha * Xb^T Xb (upper blocks).
 void covariance_accumulate(const at::Tensor& acc, const at::Tensor& x, bool bias, double alpha) {
@@ -353,25 +344,11 @@ void conv_accumulate(const at::Tensor& acc, const at::Tensor& x, const ConvGeome
             });
 }
 
-void check_cpu(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "kaisa ", op, " (CPU kernel): ", name,
-              " must be on the CPU, got ", t.device());
-}
-
-void check_running(const at::Tensor& running, const at::Tensor& x, at::IntArrayRef shape,
-                   const char* op) {
-  check_cpu(running, op, "running");
-  TORCH_CHECK(at::isFloatingType(running.scalar_type()), "kaisa ", op,
-              ": running must be floating point, got ", running.scalar_type());
-  TORCH_CHECK(running.sizes() == shape, "kaisa ", op, ": running must have shape ", shape,
-              ", got ", running.sizes());
-  TORCH_CHECK(!running.is_same(x), "kaisa ", op, ": running and x must be different tensors");
-}
-
 }  // namespace
 
 at::Tensor covariance(const at::Tensor& x, double scale, bool bias) {
-  check_covariance_x(x);
+  check_device_type(x, c10::DeviceType::CPU, "covariance", "x");
+  check_covariance_args(x);
   const int64_t d = x.size(1) + (bias ? 1 : 0);
   at::Tensor acc = at::zeros({1, d, d}, x.options().dtype(accumulate_dtype(x.scalar_type())));
   covariance_accumulate(acc, x, bias, scale);
@@ -379,31 +356,11 @@ at::Tensor covariance(const at::Tensor& x, double scale, bool bias) {
   return acc.squeeze(0).to(x.scalar_type());
 }
 
-void covariance_ema_(const at::Tensor& running, const at::Tensor& x, double scale, bool bias,
-                     double rho) {
-  check_covariance_x(x);
-  const int64_t d = x.size(1) + (bias ? 1 : 0);
-  check_running(running, x, {d, d}, "covariance_ema_");
-  const at::ScalarType acc_type = accumulate_dtype(running.scalar_type());
-  if (running.scalar_type() == acc_type && running.is_contiguous()) {
-    // Fused: running = rho * running + (1 - rho) * scale * Xb^T Xb, accumulated
-    // straight into running (its upper triangle), then mirrored.
-    running.mul_(rho);
-    covariance_accumulate(running.unsqueeze(0), x, bias, (1.0 - rho) * scale);
-    mirror_upper_(running);
-    return;
-  }
-  at::Tensor acc = at::zeros({1, d, d}, running.options().dtype(acc_type));
-  covariance_accumulate(acc, x, bias, scale);
-  mirror_upper_(acc);
-  running.mul_(rho).add_(acc.squeeze(0).to(running.scalar_type()), 1.0 - rho);
-}
-
 at::Tensor conv_covariance(const at::Tensor& x, at::IntArrayRef kernel_size,
                            at::IntArrayRef stride, at::IntArrayRef padding,
                            at::IntArrayRef dilation, int64_t groups, bool bias, double scale) {
-  check_cpu(x, "conv_covariance", "x");
-  check_conv_args(x, kernel_size, stride, padding, dilation, groups);
+  check_device_type(x, c10::DeviceType::CPU, "conv_covariance", "x");
+  check_conv_covariance_args(x, kernel_size, stride, padding, dilation, groups);
   const ConvGeometry g = make_geometry(x, kernel_size, stride, padding, dilation, groups);
   const int64_t d = g.c / groups * g.kh * g.kw + (bias ? 1 : 0);
   at::Tensor acc =
@@ -413,33 +370,9 @@ at::Tensor conv_covariance(const at::Tensor& x, at::IntArrayRef kernel_size,
   return acc.to(x.scalar_type());
 }
 
-void conv_covariance_ema_(const at::Tensor& running, const at::Tensor& x,
-                          at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                          at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                          bool bias, double scale, double rho) {
-  check_cpu(x, "conv_covariance_ema_", "x");
-  check_conv_args(x, kernel_size, stride, padding, dilation, groups);
-  const ConvGeometry g = make_geometry(x, kernel_size, stride, padding, dilation, groups);
-  const int64_t d = g.c / groups * g.kh * g.kw + (bias ? 1 : 0);
-  check_running(running, x, {groups, d, d}, "conv_covariance_ema_");
-  const at::ScalarType acc_type = accumulate_dtype(running.scalar_type());
-  if (running.scalar_type() == acc_type && running.is_contiguous()) {
-    running.mul_(rho);
-    conv_accumulate(running, x, g, bias, (1.0 - rho) * scale);
-    mirror_upper_(running);
-    return;
-  }
-  at::Tensor acc = at::zeros({groups, d, d}, running.options().dtype(acc_type));
-  conv_accumulate(acc, x, g, bias, scale);
-  mirror_upper_(acc);
-  running.mul_(rho).add_(acc.to(running.scalar_type()), 1.0 - rho);
-}
-
 }  // namespace kaisa::cpu
 
 TORCH_LIBRARY_IMPL(kaisa, CPU, m) {
   m.impl("covariance", &kaisa::cpu::covariance);
   m.impl("conv_covariance", &kaisa::cpu::conv_covariance);
-  m.impl("covariance_ema_", &kaisa::cpu::covariance_ema_);
-  m.impl("conv_covariance_ema_", &kaisa::cpu::conv_covariance_ema_);
 }

@@ -1,5 +1,13 @@
 // CPU kernels of the eigendecomposition based ops: eigen_precondition and
 // batched_eigh.
+//
+// batched_eigh exists on the CPU for one reason: torch.linalg.eigh decomposes a
+// batch one matrix after another, each LAPACK call threaded internally, which
+// scales poorly for the mid-sized factors K-FAC produces (n ~ 100..1000). This
+// kernel instead runs whole matrices in parallel (one single-threaded LAPACK
+// call per matrix inside at::parallel_for) when there are at least two
+// matrices of at least kParallelMinN. bench/bench_kernels_cpu.py measures it
+// against one batched torch.linalg.eigh call.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -11,6 +19,10 @@
 
 namespace kaisa::cpu {
 namespace {
+
+// Smallest matrix size decomposed matrix-parallel (below it the per-call
+// overhead outweighs the gain; see bench/bench_kernels_cpu.py).
+constexpr int64_t kParallelMinN = 64;
 
 // v[b, i, j] /= dg[b, i] * da[b, j] + damping, in place; v contiguous (B, m, n),
 // dg (B, m) and da (B, n) contiguous. The denominator is formed on the fly, no
@@ -49,9 +61,7 @@ at::Tensor eigen_precondition(const at::Tensor& grad, const at::Tensor& qa, cons
                               const std::optional<at::Tensor>& da,
                               const std::optional<at::Tensor>& dg,
                               const std::optional<at::Tensor>& dgda, double damping) {
-  TORCH_CHECK(grad.device().is_cpu(),
-              "kaisa eigen_precondition (CPU kernel): grad must be on the CPU, got ",
-              grad.device());
+  check_device_type(grad, c10::DeviceType::CPU, "eigen_precondition", "grad");
   check_eigen_precondition_args(grad, qa, qg, da, dg, dgda);
   const bool batched = grad.dim() == 3;
   const at::Tensor g3 = batched ? grad : grad.unsqueeze(0);
@@ -71,18 +81,28 @@ at::Tensor eigen_precondition(const at::Tensor& grad, const at::Tensor& qa, cons
 }
 
 std::tuple<at::Tensor, at::Tensor> batched_eigh(const at::Tensor& a) {
-  TORCH_CHECK(a.device().is_cpu(), "kaisa batched_eigh (CPU kernel): a must be on the CPU, got ",
-              a.device());
-  TORCH_CHECK(a.dim() >= 2, "kaisa batched_eigh: a must be (B, n, n) or (n, n), got ",
-              a.sizes());
-  TORCH_CHECK(a.size(-1) == a.size(-2), "kaisa batched_eigh: a must hold square matrices, got ",
-              a.sizes());
-  TORCH_CHECK(at::isFloatingType(a.scalar_type()),
-              "kaisa batched_eigh: a must be floating point, got ", a.scalar_type());
-  auto [vals, vecs] = at::linalg_eigh(a, "L");
-  // linalg_eigh returns column-major eigenvectors; the op contract is contiguous
-  // outputs (see csrc/SCHEMAS.md).
-  return {vals.contiguous(), vecs.contiguous()};
+  check_device_type(a, c10::DeviceType::CPU, "batched_eigh", "a");
+  check_batched_eigh_args(a);
+  const int64_t batch = a.dim() == 3 ? a.size(0) : 1;
+  const int64_t n = a.size(-1);
+  if (batch < 2 || n < kParallelMinN || at::get_num_threads() < 2) {
+    auto [vals, vecs] = at::linalg_eigh(a, "L");
+    // linalg_eigh returns column-major eigenvectors; the op contract is
+    // contiguous outputs (csrc/SCHEMAS.md).
+    return {vals.contiguous(), vecs.contiguous()};
+  }
+  at::Tensor vals = at::empty({batch, n}, a.options());
+  at::Tensor vecs = at::empty({batch, n, n}, a.options());
+  // One matrix per task; inside the parallel region LAPACK runs single-threaded.
+  // The first exception (e.g. torch.linalg.LinAlgError) is rethrown here.
+  at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      auto [w, q] = at::linalg_eigh(a.select(0, b), "L");
+      vals.select(0, b).copy_(w);
+      vecs.select(0, b).copy_(q);
+    }
+  });
+  return {vals, vecs};
 }
 
 }  // namespace kaisa::cpu

@@ -1,8 +1,8 @@
 // Shared helpers for kaisa's CUDA kernels (csrc/cuda/*.cu).
 //
 // Every .cu file in this directory registers its own implementations with
-// TORCH_LIBRARY_IMPL(kaisa, CUDA, m); the schemas themselves are defined once
-// in csrc/kaisa.cpp (TORCH_LIBRARY(kaisa, m)).
+// TORCH_LIBRARY_IMPL(kaisa, CUDA, m); the schemas and the argument checks every
+// kernel calls first are defined once in csrc/kaisa.cpp (see csrc/kaisa.h).
 #pragma once
 
 // Per-operator headers instead of <ATen/ATen.h>: the full header costs most
@@ -23,6 +23,8 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#include "../kaisa.h"
 
 // Runtime-API calls: throws c10::Error (a Python RuntimeError) with the CUDA
 // error string.
@@ -54,15 +56,6 @@ __device__ __forceinline__ out_t from_acc(acc_t v) {
 // Number of streaming multiprocessors of the current device.
 inline int sm_count() {
   return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-}
-
-inline void check_cuda_tensor(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "kaisa::", op, ": ", name, " must be a CUDA tensor, got ", t.device());
-}
-
-inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op) {
-  TORCH_CHECK(a.device() == b.device(), "kaisa::", op, ": tensors on different devices (",
-              a.device(), " vs ", b.device(), ")");
 }
 
 }  // namespace kaisa::cuda

@@ -2,7 +2,6 @@
 //
 //   covariance(x, scale, bias)            = scale * Xb^T Xb,        Xb = [x | 1]
 //   conv_covariance(x, k, s, p, d, g, ...) = scale * Pb_k^T Pb_k,   per group k
-//   *_ema_(running, ...)                  : running = rho*running + (1-rho)*cov
 //
 // Pb is the im2col patch matrix exactly as F.unfold builds it (zero padding;
 // columns: channel slowest, then kernel row, then kernel column; ones column
@@ -13,7 +12,7 @@
 // register-blocked 4x4 outer-product update. Rows are optionally split over
 // gridDim.z ("split-K") when there are too few tiles to fill the GPU; each
 // split writes its partial tile to a workspace and a second, tiled kernel sums
-// the splits in a fixed order (deterministic), applies scale / the EMA, casts
+// the splits in a fixed order (deterministic), applies scale, casts
 // to the output dtype and mirrors the upper tiles into the lower triangle
 // (exactly symmetric result). See docs/cuda-kernels.md.
 #include "common.cuh"
@@ -246,15 +245,14 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kFinTile = 32;
 constexpr int kFinRows = 8;  // block = 32 x 8 threads, 4 rows each
 
-// out[g][i][j] = scale * sum_s ws[s][g][min(i,j)][max(i,j)]   (kEma: blended
-// with the old value, rho*old + (1-rho)*new; old not read when !read_old).
+// out[g][i][j] = scale * sum_s ws[s][g][min(i,j)][max(i,j)].
 // grid = (ceil(d/32), ceil(d/32), groups); each block owns one 32x32 output
 // tile and reads the mirrored source tile through shared memory so both the
 // reads and the writes stay coalesced.
-template <typename acc_t, typename out_t, bool kEma>
+template <typename acc_t, typename out_t>
 __global__ void __launch_bounds__(kFinTile* kFinRows)
     finalize_kernel(const acc_t* __restrict__ ws, out_t* __restrict__ out, const int d,
-                    const int splits, const acc_t scale, const acc_t rho, const bool read_old) {
+                    const int splits, const acc_t scale) {
   __shared__ acc_t tile[kFinTile][kFinTile + 1];
   const int groups = gridDim.z;
   const int group = blockIdx.z;
@@ -286,22 +284,15 @@ __global__ void __launch_bounds__(kFinTile* kFinRows)
     // element (min(i,j), max(i,j)) in source-tile coordinates
     const int a = i <= j ? i : j;
     const int b = i <= j ? j : i;
-    const acc_t v = scale * tile[a - si0][b - sj0];
-    const int64_t e = static_cast<int64_t>(i) * d + j;
-    if constexpr (kEma) {
-      const acc_t old = read_old ? to_acc<acc_t>(o[e]) : acc_t(0);
-      o[e] = from_acc<out_t>(rho * old + (acc_t(1) - rho) * v);
-    } else {
-      o[e] = from_acc<out_t>(v);
-    }
+    o[static_cast<int64_t>(i) * d + j] = from_acc<out_t>(scale * tile[a - si0][b - sj0]);
   }
 }
 
 // Runs the Gram kernel for x with geometry g over `groups` groups and writes
-// the finished (groups, d, d) result into `out` (contiguous, on x's device):
-// out = scale*cov, or (ema) out = rho*out + (1-rho)*scale*cov.
+// the finished (groups, d, d) result scale * cov into `out` (contiguous, on
+// x's device).
 void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, bool conv,
-               at::Tensor& out, bool ema, double rho) {
+               const at::Tensor& out) {
   TORCH_INTERNAL_ASSERT(out.is_contiguous());
   if (g.d == 0 || groups == 0) return;
   TORCH_CHECK(groups <= 65535, "kaisa: at most 65535 groups are supported, got ", groups);
@@ -350,35 +341,17 @@ void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, boo
   const dim3 fgrid(static_cast<unsigned>(ft), static_cast<unsigned>(ft),
                    static_cast<unsigned>(groups));
   const dim3 fblock(kFinTile, kFinRows);
-  // The old value is always read (rho * old, also for rho == 0) to match the
-  // reference and CPU kernels, where a non-finite running value propagates.
-  const bool read_old = ema;
   AT_DISPATCH_FLOATING_TYPES(ws.scalar_type(), "kaisa_gram_finalize_acc", [&] {
     using acc_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, out.scalar_type(), "kaisa_gram_finalize_out", [&] {
           using out_t = scalar_t;
-          if (ema) {
-            finalize_kernel<acc_t, out_t, true><<<fgrid, fblock, 0, stream>>>(
-                ws.const_data_ptr<acc_t>(), out.mutable_data_ptr<out_t>(), g.d,
-                static_cast<int>(splits), static_cast<acc_t>(scale), static_cast<acc_t>(rho),
-                read_old);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-          } else {
-            finalize_kernel<acc_t, out_t, false><<<fgrid, fblock, 0, stream>>>(
-                ws.const_data_ptr<acc_t>(), out.mutable_data_ptr<out_t>(), g.d,
-                static_cast<int>(splits), static_cast<acc_t>(scale), acc_t(0), false);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-          }
+          finalize_kernel<acc_t, out_t><<<fgrid, fblock, 0, stream>>>(
+              ws.const_data_ptr<acc_t>(), out.mutable_data_ptr<out_t>(), g.d,
+              static_cast<int>(splits), static_cast<acc_t>(scale));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
   });
-}
-
-void check_input_dtype(const at::Tensor& x, const char* op) {
-  const auto st = x.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
-              "kaisa::", op, ": unsupported dtype ", st,
-              " (expected float32, float64, float16 or bfloat16)");
 }
 
 int checked_int(int64_t v, const char* what) {
@@ -390,79 +363,30 @@ int checked_int(int64_t v, const char* what) {
 // ---------------------------------------------------------------- linear --
 
 Geom linear_geom(const at::Tensor& x, bool bias) {
-  TORCH_CHECK(x.dim() >= 2, "kaisa::covariance: x must be (rows, d), got ", x.sizes());
   Geom g;
-  g.d_data = checked_int(x.size(-1), "feature dimension");
-  int64_t rows = 1;
-  for (int64_t i = 0; i + 1 < x.dim(); ++i) rows *= x.size(i);  // leading dims flattened
-  g.rows = rows;
+  g.d_data = checked_int(x.size(1), "feature dimension");
+  g.rows = x.size(0);
   g.bias = bias;
   g.d = checked_int(static_cast<int64_t>(g.d_data) + (bias ? 1 : 0), "covariance size");
   return g;
 }
 
 at::Tensor covariance_cuda(const at::Tensor& x, double scale, bool bias) {
-  check_cuda_tensor(x, "covariance", "x");
-  check_input_dtype(x, "covariance");
+  check_device_type(x, c10::DeviceType::CUDA, "covariance", "x");
+  check_covariance_args(x);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
   const Geom g = linear_geom(xc, bias);
   at::Tensor out = at::empty({g.d, g.d}, xc.options());
-  gram_into(xc, g, 1, scale, /*conv=*/false, out, /*ema=*/false, 0.0);
+  gram_into(xc, g, 1, scale, /*conv=*/false, out);
   return out;
-}
-
-// Writes through a contiguous temporary when `running` is not contiguous.
-template <typename F>
-void update_running(at::Tensor& running, F&& fn) {
-  if (running.is_contiguous()) {
-    fn(running);
-  } else {
-    at::Tensor tmp = running.contiguous();
-    fn(tmp);
-    running.copy_(tmp);
-  }
-}
-
-void check_running(const at::Tensor& running, const at::Tensor& x, const char* op) {
-  check_cuda_tensor(running, op, "running");
-  check_same_device(running, x, op);
-  const auto st = running.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
-              "kaisa::", op, ": unsupported running dtype ", st);
-}
-
-void covariance_ema_cuda(at::Tensor& running, const at::Tensor& x, double scale, bool bias,
-                         double rho) {
-  check_cuda_tensor(x, "covariance_ema_", "x");
-  check_input_dtype(x, "covariance_ema_");
-  check_running(running, x, "covariance_ema_");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous();
-  const Geom g = linear_geom(xc, bias);
-  TORCH_CHECK(running.dim() == 2 && running.size(0) == g.d && running.size(1) == g.d,
-              "kaisa::covariance_ema_: running must have shape (", g.d, ", ", g.d, "), got ",
-              running.sizes());
-  update_running(running, [&](at::Tensor& r) {
-    gram_into(xc, g, 1, scale, /*conv=*/false, r, /*ema=*/true, rho);
-  });
 }
 
 // ------------------------------------------------------------------ conv --
 
+// Geometry of a conv input already validated by check_conv_covariance_args.
 Geom conv_geom(const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
-               at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, bool bias,
-               const char* op) {
-  TORCH_CHECK(x.dim() == 4, "kaisa::", op, ": x must be (N, C, H, W), got ", x.sizes());
-  TORCH_CHECK(kernel_size.size() == 2 && stride.size() == 2 && padding.size() == 2 &&
-                  dilation.size() == 2,
-              "kaisa::", op, ": kernel_size, stride, padding, dilation must have 2 entries");
-  TORCH_CHECK(groups >= 1 && x.size(1) % groups == 0, "kaisa::", op,
-              ": channels (", x.size(1), ") must be divisible by groups (", groups, ")");
-  for (int i = 0; i < 2; ++i) {
-    TORCH_CHECK(kernel_size[i] >= 1 && stride[i] >= 1 && dilation[i] >= 1 && padding[i] >= 0,
-                "kaisa::", op, ": invalid kernel_size/stride/dilation/padding");
-  }
+               at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, bool bias) {
   Geom g;
   g.C = checked_int(x.size(1), "channels");
   g.H = checked_int(x.size(2), "height");
@@ -480,7 +404,6 @@ Geom conv_geom(const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef
                          stride[0] + 1;
   const int64_t wo = (x.size(3) + 2 * padding[1] - dilation[1] * (kernel_size[1] - 1) - 1) /
                          stride[1] + 1;
-  TORCH_CHECK(ho >= 1 && wo >= 1, "kaisa::", op, ": kernel does not fit the padded input");
   g.Ho = checked_int(ho, "output height");
   g.Wo = checked_int(wo, "output width");
   g.rows = x.size(0) * ho * wo;
@@ -494,38 +417,14 @@ at::Tensor conv_covariance_cuda(const at::Tensor& x, at::IntArrayRef kernel_size
                                 at::IntArrayRef stride, at::IntArrayRef padding,
                                 at::IntArrayRef dilation, int64_t groups, bool bias,
                                 double scale) {
-  check_cuda_tensor(x, "conv_covariance", "x");
-  check_input_dtype(x, "conv_covariance");
+  check_device_type(x, c10::DeviceType::CUDA, "conv_covariance", "x");
+  check_conv_covariance_args(x, kernel_size, stride, padding, dilation, groups);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
-  const Geom g =
-      conv_geom(xc, kernel_size, stride, padding, dilation, groups, bias, "conv_covariance");
+  const Geom g = conv_geom(xc, kernel_size, stride, padding, dilation, groups, bias);
   at::Tensor out = at::empty({groups, g.d, g.d}, xc.options());
-  gram_into(xc, g, static_cast<int>(groups), scale, /*conv=*/true, out, /*ema=*/false, 0.0);
+  gram_into(xc, g, static_cast<int>(groups), scale, /*conv=*/true, out);
   return out;
-}
-
-void conv_covariance_ema_cuda(at::Tensor& running, const at::Tensor& x,
-                              at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                              at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                              bool bias, double scale, double rho) {
-  check_cuda_tensor(x, "conv_covariance_ema_", "x");
-  check_input_dtype(x, "conv_covariance_ema_");
-  check_running(running, x, "conv_covariance_ema_");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous();
-  const Geom g = conv_geom(xc, kernel_size, stride, padding, dilation, groups, bias,
-                           "conv_covariance_ema_");
-  // (groups, d, d); a (d, d) running buffer is accepted for groups == 1.
-  const bool ok3 = running.dim() == 3 && running.size(0) == groups && running.size(1) == g.d &&
-                   running.size(2) == g.d;
-  const bool ok2 = groups == 1 && running.dim() == 2 && running.size(0) == g.d &&
-                   running.size(1) == g.d;
-  TORCH_CHECK(ok3 || ok2, "kaisa::conv_covariance_ema_: running must have shape (", groups, ", ",
-              g.d, ", ", g.d, "), got ", running.sizes());
-  update_running(running, [&](at::Tensor& r) {
-    gram_into(xc, g, static_cast<int>(groups), scale, /*conv=*/true, r, /*ema=*/true, rho);
-  });
 }
 
 }  // namespace
@@ -533,7 +432,5 @@ void conv_covariance_ema_cuda(at::Tensor& running, const at::Tensor& x,
 
 TORCH_LIBRARY_IMPL(kaisa, CUDA, m) {
   m.impl("covariance", &kaisa::cuda::covariance_cuda);
-  m.impl("covariance_ema_", &kaisa::cuda::covariance_ema_cuda);
   m.impl("conv_covariance", &kaisa::cuda::conv_covariance_cuda);
-  m.impl("conv_covariance_ema_", &kaisa::cuda::conv_covariance_ema_cuda);
 }

@@ -13,6 +13,10 @@
 // in; otherwise it falls back to the automatic choice) so tests and benchmarks
 // can exercise every path.
 //
+// cuSOLVER handles are the extension's own (solver_handle below): torch's
+// at::cuda::getCurrentCUDASolverDnHandle lives in the lazily loaded
+// libtorch_cuda_linalg.so and cannot be resolved from an extension.
+//
 // Like torch.linalg.eigh (UPLO='L'), only the lower triangle of each row-major
 // matrix is read: it is the upper triangle of the column-major matrix cuSOLVER
 // sees. Every cuSOLVER status is checked; the per-matrix `info` codes and a
@@ -162,19 +166,27 @@ struct DnParams {
 };
 #endif
 
-// Extra cuSOLVER handles for the side streams of the syevd fallback, cached
-// per thread and device (a handle must not be used by two threads at once).
-// Like torch's own handle pool they are intentionally never destroyed: the
-// CUDA context may already be gone at thread / process exit.
-const std::vector<cusolverDnHandle_t>& side_handles(int device, int count) {
+// The extension's cuSOLVER handles, cached per thread and device (a handle
+// must not be used by two threads at once) and bound to `stream` on every call.
+// Slot 0 serves the current stream; slots 1.. the side streams of the syevd
+// fallback. Like torch's own handle pools they are intentionally never
+// destroyed: the CUDA context may already be gone at thread / process exit.
+cusolverDnHandle_t solver_handle(int slot, const c10::cuda::CUDAStream& stream) {
   thread_local std::unordered_map<int, std::vector<cusolverDnHandle_t>> cache;
-  std::vector<cusolverDnHandle_t>& v = cache[device];
-  while (static_cast<int>(v.size()) < count) {
+  std::vector<cusolverDnHandle_t>& handles = cache[stream.device_index()];
+  while (static_cast<int>(handles.size()) <= slot) {
     cusolverDnHandle_t h = nullptr;
     TORCH_CUSOLVER_CHECK(cusolverDnCreate(&h));
-    v.push_back(h);
+    handles.push_back(h);
   }
-  return v;
+  cusolverDnHandle_t h = handles[static_cast<size_t>(slot)];
+  TORCH_CUSOLVER_CHECK(cusolverDnSetStream(h, stream.stream()));
+  return h;
+}
+
+// Slot 0 on the current stream of the current device.
+cusolverDnHandle_t current_handle() {
+  return solver_handle(0, at::cuda::getCurrentCUDAStream());
 }
 
 // Makes `main` wait for the side streams, also while unwinding from an error
@@ -200,7 +212,7 @@ struct JoinStreams {
 
 template <typename T>
 void run_syevj_batched(T* a, T* w, int* info, int n, int batch, const at::Tensor& like) {
-  cusolverDnHandle_t handle = at::cuda::getCurrentCUDASolverDnHandle();
+  cusolverDnHandle_t handle = current_handle();
   SyevjParams params;
   // Defaults: tolerance = machine precision, 100 sweeps; eigenvalues sorted.
   TORCH_CUSOLVER_CHECK(cusolverDnXsyevjSetSortEig(params.p, 1));
@@ -216,7 +228,7 @@ void run_syevj_batched(T* a, T* w, int* info, int n, int batch, const at::Tensor
 template <typename T>
 void run_xsyev_batched(T* a, T* w, int* info, int64_t n, int64_t batch, const at::Tensor& like,
                        std::vector<char>& host_ws) {
-  cusolverDnHandle_t handle = at::cuda::getCurrentCUDASolverDnHandle();
+  cusolverDnHandle_t handle = current_handle();
   DnParams params;
   size_t dev_bytes = 0;
   size_t host_bytes = 0;
@@ -235,7 +247,7 @@ void run_xsyev_batched(T* a, T* w, int* info, int64_t n, int64_t batch, const at
 
 template <typename T>
 void run_syevd(T* a, T* w, int* info, int n, int64_t batch, const at::Tensor& like) {
-  cusolverDnHandle_t handle = at::cuda::getCurrentCUDASolverDnHandle();
+  cusolverDnHandle_t handle = current_handle();
   int lwork = 0;
   TORCH_CUSOLVER_CHECK(Cusolver<T>::syevd_buffer(handle, n, a, w, &lwork));
   lwork = std::max(lwork, 1);
@@ -264,15 +276,16 @@ void run_syevd(T* a, T* w, int* info, int n, int64_t batch, const at::Tensor& li
     fork.block(side.back());
   }
   const JoinStreams join{main, side};  // joins even if a call below throws
-  const auto& handles = side_handles(main.device_index(), n_streams);
+  std::vector<cusolverDnHandle_t> handles;
+  handles.reserve(side.size());
   for (int s = 0; s < n_streams; ++s) {
-    TORCH_CUSOLVER_CHECK(cusolverDnSetStream(handles[s], side[s].stream()));
+    handles.push_back(solver_handle(1 + s, side[static_cast<size_t>(s)]));
   }
   for (int64_t b = 0; b < batch; ++b) {
     const int s = static_cast<int>(b % n_streams);
-    TORCH_CUSOLVER_CHECK(Cusolver<T>::syevd(handles[s], n, a + b * nn, w + b * n,
-                                            work_ptr + static_cast<int64_t>(s) * lwork, lwork,
-                                            info + b));
+    TORCH_CUSOLVER_CHECK(Cusolver<T>::syevd(handles[static_cast<size_t>(s)], n, a + b * nn,
+                                            w + b * n, work_ptr + static_cast<int64_t>(s) * lwork,
+                                            lwork, info + b));
   }
 }
 
@@ -344,14 +357,9 @@ void eigh_impl(at::Tensor& vecs_cm, at::Tensor& vals, EighImpl impl) {
 }
 
 std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& a_in) {
-  check_cuda_tensor(a_in, "batched_eigh", "a");
-  TORCH_CHECK(a_in.dim() == 2 || a_in.dim() == 3,
-              "kaisa::batched_eigh: expected (B, n, n) or (n, n), got ", a_in.sizes());
-  TORCH_CHECK(a_in.size(-1) == a_in.size(-2), "kaisa::batched_eigh: matrices must be square, got ",
-              a_in.sizes());
+  check_device_type(a_in, c10::DeviceType::CUDA, "batched_eigh", "a");
+  check_batched_eigh_args(a_in);
   const auto st = a_in.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble,
-              "kaisa::batched_eigh: expected float32 or float64, got ", st);
   const c10::cuda::CUDAGuard guard(a_in.device());
   const bool unbatched = a_in.dim() == 2;
   const at::Tensor a = unbatched ? a_in.unsqueeze(0) : a_in;

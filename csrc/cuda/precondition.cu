@@ -18,9 +18,9 @@
 //
 // All row-major products are issued as column-major cuBLAS calls on the
 // transposed problem (C^T = op(B)^T op(A)^T), so no operand is copied or
-// transposed in memory. qa / qg (and da / dg / dgda) may also be given
-// without the batch dimension when grad is batched: they are then shared by
-// every batch entry (stride 0).
+// transposed in memory. The argument contract (check_eigen_precondition_args
+// in csrc/kaisa.cpp) is the CPU kernel's: every operand has grad's batch
+// dimension, or none of them has one.
 #include "common.cuh"
 
 #include <ATen/cuda/Exceptions.h>
@@ -75,7 +75,7 @@ void gemm_rm(cublasHandle_t h, bool ta, bool tb, int m, int n, int k, const T* a
                                      a, lda, sa, &zero, c, n, sc, batch));
 }
 
-// v[b][i][j] /= dg[b][i] * da[b][j] + damping   (strides 0 when shared)
+// v[b][i][j] /= dg[b][i] * da[b][j] + damping
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     divide_kernel(T* __restrict__ v, const T* __restrict__ dg, const T* __restrict__ da,
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// v[b][i][j] *= dgda[b][i][j]   (dgda_stride 0 when shared)
+// v[b][i][j] *= dgda[b][i][j]
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     multiply_kernel(T* __restrict__ v, const T* __restrict__ dgda, const int64_t total,
@@ -104,24 +104,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Brings a (possibly unbatched) operand to the compute dtype, contiguous, and
-// returns its batch stride in elements (0 when shared by the whole batch).
-at::Tensor prepare(const at::Tensor& t, const at::Tensor& like, int64_t batched_dim,
-                   const std::vector<int64_t>& shape, int64_t batch, const char* name,
-                   int64_t& stride) {
-  check_cuda_tensor(t, "eigen_precondition", name);
-  check_same_device(t, like, "eigen_precondition");
-  const int64_t inner = static_cast<int64_t>(shape.size());
-  std::vector<int64_t> full{batch};
-  full.insert(full.end(), shape.begin(), shape.end());
-  const bool is_batched = t.dim() == batched_dim && t.sizes() == at::IntArrayRef(full);
-  const bool is_shared = t.dim() == inner && t.sizes() == at::IntArrayRef(shape);
-  TORCH_CHECK(is_batched || is_shared, "kaisa::eigen_precondition: ", name, " must have shape ",
-              at::IntArrayRef(full), " or ", at::IntArrayRef(shape), ", got ", t.sizes());
-  int64_t numel = 1;
-  for (int64_t s : shape) numel *= s;
-  stride = is_batched ? numel : 0;
-  return t.to(like.scalar_type()).contiguous();
+// The operand as a contiguous (B, ...) tensor of the compute dtype.
+at::Tensor prepare(const at::Tensor& t, bool unbatched, at::ScalarType compute) {
+  return (unbatched ? t.unsqueeze(0) : t).to(compute).contiguous();
 }
 
 int to_int(int64_t v, const char* what) {
@@ -174,46 +159,42 @@ at::Tensor eigen_precondition_cuda(const at::Tensor& grad, const at::Tensor& qa,
                                    const at::Tensor& qg, const std::optional<at::Tensor>& da,
                                    const std::optional<at::Tensor>& dg,
                                    const std::optional<at::Tensor>& dgda, double damping) {
-  check_cuda_tensor(grad, "eigen_precondition", "grad");
-  TORCH_CHECK(grad.dim() == 2 || grad.dim() == 3,
-              "kaisa::eigen_precondition: grad must be (B, m, n) or (m, n), got ", grad.sizes());
-  const auto gt = grad.scalar_type();
-  TORCH_CHECK(gt == at::kFloat || gt == at::kDouble || gt == at::kHalf || gt == at::kBFloat16,
-              "kaisa::eigen_precondition: unsupported dtype ", gt);
-  const bool use_dgda = dgda.has_value() && dgda->defined();
-  TORCH_CHECK(use_dgda || (da.has_value() && da->defined() && dg.has_value() && dg->defined()),
-              "kaisa::eigen_precondition: give either dgda or both da and dg");
+  check_device_type(grad, c10::DeviceType::CUDA, "eigen_precondition", "grad");
+  check_eigen_precondition_args(grad, qa, qg, da, dg, dgda);
   const c10::cuda::CUDAGuard guard(grad.device());
 
+  const auto gt = grad.scalar_type();
   const bool unbatched = grad.dim() == 2;
   const at::ScalarType ct = gt == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor g = (unbatched ? grad.unsqueeze(0) : grad).to(ct).contiguous();
+  const at::Tensor g = prepare(grad, unbatched, ct);
   const int64_t batch = g.size(0);
   const int64_t m = g.size(1);
   const int64_t n = g.size(2);
 
-  int64_t sqa = 0, sqg = 0, sda = 0, sdg = 0, sdgda = 0;
-  const at::Tensor qa_c = prepare(qa, g, 3, {n, n}, batch, "qa", sqa);
-  const at::Tensor qg_c = prepare(qg, g, 3, {m, m}, batch, "qg", sqg);
+  const bool use_dgda = dgda.has_value();
+  const at::Tensor qa_c = prepare(qa, unbatched, ct);
+  const at::Tensor qg_c = prepare(qg, unbatched, ct);
   at::Tensor da_c, dg_c, dgda_c;
   if (use_dgda) {
-    dgda_c = prepare(*dgda, g, 3, {m, n}, batch, "dgda", sdgda);
+    dgda_c = prepare(*dgda, unbatched, ct);
   } else {
-    da_c = prepare(*da, g, 2, {n}, batch, "da", sda);
-    dg_c = prepare(*dg, g, 2, {m}, batch, "dg", sdg);
+    da_c = prepare(*da, unbatched, ct);
+    dg_c = prepare(*dg, unbatched, ct);
   }
 
   at::Tensor out = at::empty({batch, m, n}, g.options());
   if (out.numel() > 0) {
     at::Tensor t = at::empty_like(out);
+    const int64_t sqa = n * n;
+    const int64_t sqg = m * m;
     if (ct == at::kDouble) {
-      precondition_impl<double>(g, qa_c, sqa, qg_c, sqg, use_dgda ? nullptr : &dg_c, sdg,
-                                use_dgda ? nullptr : &da_c, sda, use_dgda ? &dgda_c : nullptr,
-                                sdgda, damping, t, out);
+      precondition_impl<double>(g, qa_c, sqa, qg_c, sqg, use_dgda ? nullptr : &dg_c, m,
+                                use_dgda ? nullptr : &da_c, n, use_dgda ? &dgda_c : nullptr,
+                                m * n, damping, t, out);
     } else {
-      precondition_impl<float>(g, qa_c, sqa, qg_c, sqg, use_dgda ? nullptr : &dg_c, sdg,
-                               use_dgda ? nullptr : &da_c, sda, use_dgda ? &dgda_c : nullptr,
-                               sdgda, damping, t, out);
+      precondition_impl<float>(g, qa_c, sqa, qg_c, sqg, use_dgda ? nullptr : &dg_c, m,
+                               use_dgda ? nullptr : &da_c, n, use_dgda ? &dgda_c : nullptr,
+                               m * n, damping, t, out);
     }
   }
   at::Tensor result = out.to(gt);

@@ -15,7 +15,10 @@ extension that cannot be loaded raises :class:`ImportError`.
 
 Every function validates its inputs (raising :class:`ValueError` or
 :class:`TypeError` naming the offending argument) and never modifies its
-inputs, except ``running`` in the ``*_ema_`` functions. With the ext backend,
+inputs. The compiled kernels re-check the same contract (one C++ check per op,
+shared by the CPU and CUDA kernels). Each op's fake kernel (its output shapes
+for ``torch.compile``/FakeTensor, checked with :func:`torch._check`) sits right
+below its wrapper and is registered when the extension loads. With the ext backend,
 tensors on a device the extension has no kernel for (e.g. CUDA tensors with a
 CPU-only build) use the reference implementation (one RuntimeWarning per op and
 device type).
@@ -23,41 +26,61 @@ device type).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
-from kaisa.ops import _reference
+from kaisa.ops import _backend, _reference
 from kaisa.ops._backend import (
     BACKENDS,
     _use_ext,
     backend,
+    cuda_kernels_error,
     extension_available,
     extension_error,
+    kernels,
     set_backend,
     use_backend,
 )
 from kaisa.ops._checks import (
     _check_eigen_args,
     _check_float_tensor,
-    _check_running,
     _check_scalar,
     _conv_args,
-    _conv_dim,
 )
 
 __all__ = [
     "BACKENDS",
+    "OPS",
     "backend",
     "conv_covariance",
-    "conv_covariance_ema_",
     "covariance",
-    "covariance_ema_",
+    "cuda_kernels_error",
     "eigen_precondition",
     "eigh",
     "extension_available",
     "extension_error",
+    "kernels",
     "set_backend",
     "use_backend",
 ]
+
+_FAKES: dict[str, Callable[..., object]] = {}
+
+
+def _require(condition: bool, message: Callable[[], str]) -> None:
+    """:func:`torch._check` (symbolic-shape aware; raises RuntimeError) for the fakes."""
+    torch._check(condition, message)  # type: ignore[no-untyped-call]
+
+
+def _fake(op: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
+    """Marks a function as the fake kernel of ``torch.ops.kaisa.<op>``."""
+
+    def register(fn: Callable[..., object]) -> Callable[..., object]:
+        _FAKES[op] = fn
+        return fn
+
+    return register
 
 
 def covariance(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Tensor:
@@ -85,6 +108,13 @@ def covariance(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Te
         out: torch.Tensor = torch.ops.kaisa.covariance(xt, s, bool(bias))
         return out
     return _reference.covariance(xt, s, bias=bool(bias))
+
+
+@_fake("covariance")
+def _covariance_fake(x: torch.Tensor, scale: float, bias: bool) -> torch.Tensor:
+    _require(x.dim() == 2, lambda: f"kaisa covariance: x must be 2-D, got {x.dim()}-D")
+    d = x.shape[1] + int(bias)
+    return x.new_empty((d, d))
 
 
 def conv_covariance(
@@ -135,83 +165,24 @@ def conv_covariance(
     return _reference.conv_covariance(xt, ks, st, pd, dl, g, bool(bias), s)
 
 
-def covariance_ema_(
-    running: torch.Tensor,
+@_fake("conv_covariance")
+def _conv_covariance_fake(
     x: torch.Tensor,
-    scale: float,
-    *,
-    bias: bool = False,
-    rho: float,
-) -> None:
-    """Updates ``running = rho * running + (1 - rho) * covariance(x, scale, bias=bias)``.
-
-    The extension fuses the update: the batch factor is accumulated directly
-    into ``running`` (no separate batch tensor when ``running`` is contiguous
-    float32/float64).
-
-    Args:
-        running: (d + bias, d + bias) running factor, updated in place.
-        x: (rows, d) floating point tensor.
-        scale: multiplier applied to the batch Gram matrix.
-        bias: whether to append a column of ones to ``x``.
-        rho: decay of the running average.
-
-    Raises:
-        TypeError: if an argument has the wrong type.
-        ValueError: if ``running`` does not have the factor's shape.
-    """
-    xt = _check_float_tensor(x, "x", (2,))
-    d = xt.shape[1] + int(bool(bias))
-    r = _check_running(running, (d, d), xt)
-    s = _check_scalar(scale, "scale")
-    rh = _check_scalar(rho, "rho")
-    if _use_ext("covariance_ema_", xt.device):
-        torch.ops.kaisa.covariance_ema_(r, xt, s, bool(bias), rh)
-        return
-    _reference.covariance_ema_(r, xt, s, bias=bool(bias), rho=rh)
-
-
-def conv_covariance_ema_(
-    running: torch.Tensor,
-    x: torch.Tensor,
-    kernel_size: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
     groups: int,
     bias: bool,
     scale: float,
-    rho: float,
-) -> None:
-    """Updates ``running = rho * running + (1 - rho) * conv_covariance(...)`` in place.
-
-    Args:
-        running: (groups, d, d) running factor, updated in place.
-        x: (N, C, H, W) convolution input.
-        kernel_size: (kh, kw).
-        stride: (sh, sw).
-        padding: symmetric zero padding (ph, pw).
-        dilation: (dh, dw).
-        groups: number of convolution groups.
-        bias: whether the convolution has a bias.
-        scale: multiplier applied to the batch Gram matrices.
-        rho: decay of the running average.
-
-    Raises:
-        TypeError: if an argument has the wrong type.
-        ValueError: on bad shapes or convolution parameters.
-    """
-    xt, ks, st, pd, dl, g = _conv_args(x, kernel_size, stride, padding, dilation, groups)
-    d = _conv_dim(xt, ks, g, bool(bias))
-    r = _check_running(running, (g, d, d), xt)
-    s = _check_scalar(scale, "scale")
-    rh = _check_scalar(rho, "rho")
-    if _use_ext("conv_covariance_ema_", xt.device):
-        torch.ops.kaisa.conv_covariance_ema_(
-            r, xt, list(ks), list(st), list(pd), list(dl), g, bool(bias), s, rh
-        )
-        return
-    _reference.conv_covariance_ema_(r, xt, ks, st, pd, dl, g, bool(bias), s, rh)
+) -> torch.Tensor:
+    _require(x.dim() == 4, lambda: f"kaisa conv_covariance: x must be 4-D, got {x.dim()}-D")
+    _require(
+        groups >= 1 and x.shape[1] % groups == 0,
+        lambda: f"kaisa conv_covariance: groups ({groups}) must divide C ({x.shape[1]})",
+    )
+    d = x.shape[1] // groups * kernel_size[0] * kernel_size[1] + int(bias)
+    return x.new_empty((groups, d, d))
 
 
 def eigen_precondition(
@@ -255,6 +226,28 @@ def eigen_precondition(
     return _reference.eigen_precondition(grad, qa, qg, da, dg, dgda, damp)
 
 
+@_fake("eigen_precondition")
+def _eigen_precondition_fake(
+    grad: torch.Tensor,
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    da: torch.Tensor | None,
+    dg: torch.Tensor | None,
+    dgda: torch.Tensor | None,
+    damping: float,
+) -> torch.Tensor:
+    lead = tuple(grad.shape[:-2])
+    m, n = grad.shape[-2], grad.shape[-1]
+    _require(grad.dim() in (2, 3), lambda: "kaisa eigen_precondition: grad must be 2 or 3-D")
+    _require(tuple(qa.shape) == (*lead, n, n), lambda: "kaisa eigen_precondition: qa shape")
+    _require(tuple(qg.shape) == (*lead, m, m), lambda: "kaisa eigen_precondition: qg shape")
+    _require(
+        (dgda is None) != (da is None and dg is None),
+        lambda: "kaisa eigen_precondition: give exactly one of (da, dg) and dgda",
+    )
+    return grad.new_empty(grad.shape)
+
+
 def eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched symmetric eigendecomposition, like :func:`torch.linalg.eigh`.
 
@@ -275,10 +268,20 @@ def eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t = _check_float_tensor(a, "a", (2, 3))
     if t.shape[-1] != t.shape[-2]:
         raise ValueError(f"a must hold square matrices, got shape {tuple(t.shape)}")
-    if _use_ext("batched_eigh", t.device):
-        if t.dim() == 2:  # the op contract is (B, n, n)
-            vals, vecs = torch.ops.kaisa.batched_eigh(t.unsqueeze(0))
-            return vals.squeeze(0), vecs.squeeze(0)
+    if t.dtype in (torch.float32, torch.float64) and _use_ext("batched_eigh", t.device):
         vals, vecs = torch.ops.kaisa.batched_eigh(t)
         return vals, vecs
     return _reference.eigh(t)
+
+
+@_fake("batched_eigh")
+def _batched_eigh_fake(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _require(a.dim() in (2, 3), lambda: "kaisa batched_eigh: a must be (n, n) or (B, n, n)")
+    _require(a.shape[-1] == a.shape[-2], lambda: "kaisa batched_eigh: a must be square")
+    return a.new_empty(a.shape[:-1]), a.new_empty(a.shape)
+
+
+OPS: tuple[str, ...] = tuple(_FAKES)
+"""Names of the ``torch.ops.kaisa`` operators, each with a wrapper and a fake kernel here."""
+
+_backend._initialise(_FAKES)

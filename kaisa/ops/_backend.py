@@ -6,7 +6,7 @@ import contextlib
 import importlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -17,19 +17,27 @@ _ENV_VAR = "KAISA_BACKEND"
 
 
 def _load_extension() -> str | None:
-    """Imports ``kaisa._C`` and the fake kernels; returns the error text or None."""
+    """Imports ``kaisa._C`` (its static initialisers register the ops); the error or None."""
     try:
         importlib.import_module("kaisa._C")
     except Exception as exc:  # any failure to load the shared object
         return f"{type(exc).__name__}: {exc}"
-    try:
-        importlib.import_module("kaisa.ops._fake")
-    except Exception as exc:  # pragma: no cover - only with a mismatched build
-        return f"kaisa._C loaded but registering fake kernels failed: {type(exc).__name__}: {exc}"
     return None
 
 
 _EXT_ERROR: str | None = _load_extension()
+_BACKEND: str = "torch"
+_OPS: tuple[str, ...] = ()
+
+
+def _register_fakes(fakes: Mapping[str, Callable[..., object]]) -> str | None:
+    """Registers the fake kernels of the loaded extension; the error or None."""
+    try:
+        for name, fn in fakes.items():
+            torch.library.register_fake(f"kaisa::{name}", fn)
+    except Exception as exc:  # a build whose schemas do not match this package
+        return f"kaisa._C loaded but registering fake kernels failed: {type(exc).__name__}: {exc}"
+    return None
 
 
 def _initial_backend() -> str:
@@ -51,12 +59,21 @@ def _initial_backend() -> str:
         "kaisa._C extension could not be loaded, falling back to the pure-PyTorch "
         f"backend (set {_ENV_VAR}=torch to silence this): {_EXT_ERROR}",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=4,
     )
     return "torch"
 
 
-_BACKEND: str = _initial_backend()
+def _initialise(fakes: Mapping[str, Callable[..., object]]) -> None:
+    """Registers ``fakes`` (when the extension loaded) and picks the backend.
+
+    Called once by :mod:`kaisa.ops` after it has defined every wrapper and fake.
+    """
+    global _EXT_ERROR, _BACKEND, _OPS
+    _OPS = tuple(fakes)
+    if _EXT_ERROR is None:
+        _EXT_ERROR = _register_fakes(fakes)
+    _BACKEND = _initial_backend()
 
 
 def extension_available() -> bool:
@@ -67,6 +84,42 @@ def extension_available() -> bool:
 def extension_error() -> str | None:
     """Returns the error raised while loading ``kaisa._C``, or None if it loaded."""
     return _EXT_ERROR
+
+
+def kernels(op: str) -> tuple[str, ...]:
+    """Dispatch keys (of ``CPU``, ``CUDA``, ``Meta``) with a kernel for ``torch.ops.kaisa.<op>``.
+
+    Args:
+        op: operator name, e.g. ``'conv_covariance'``.
+
+    Returns:
+        The keys in that order; empty when the extension did not load.
+    """
+    if _EXT_ERROR is not None:
+        return ()
+    return tuple(
+        key
+        for key in ("CPU", "CUDA", "Meta")
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"kaisa::{op}", key)
+    )
+
+
+def cuda_kernels_error() -> str | None:
+    """Why the CUDA kernels cannot be used, or None when every op has one.
+
+    GPU tests and benchmarks fail with this message (never skip) when a CUDA
+    device is present, so a broken CUDA build cannot look green.
+    """
+    if _EXT_ERROR is not None:
+        return f"the kaisa._C extension did not load: {_EXT_ERROR}"
+    missing = [op for op in _OPS if "CUDA" not in kernels(op)]
+    if missing:
+        return (
+            f"kaisa._C has no CUDA kernel for {', '.join(missing)}: it was built without "
+            "CUDA (torch without CUDA or no nvcc at build time); rebuild with "
+            "`pip install --no-build-isolation .` under a CUDA torch"
+        )
+    return None
 
 
 def backend() -> str:

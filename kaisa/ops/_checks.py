@@ -44,17 +44,6 @@ def _check_scalar(value: object, name: str) -> float:
     return float(value)
 
 
-def _check_running(running: object, expected: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
-    r = _check_tensor(running, "running")
-    if not r.is_floating_point():
-        raise TypeError(f"running must have a floating point dtype, got {r.dtype}")
-    if tuple(r.shape) != expected:
-        raise ValueError(f"running must have shape {expected}, got {tuple(r.shape)}")
-    if r.device != x.device:
-        raise ValueError(f"running is on {r.device} but x is on {x.device}")
-    return r
-
-
 def _conv_args(
     x: object,
     kernel_size: object,
@@ -82,10 +71,6 @@ def _conv_args(
                 f"kernel extent {span}"
             )
     return xt, ks, st, pd, dl, groups
-
-
-def _conv_dim(x: torch.Tensor, kernel_size: tuple[int, int], groups: int, bias: bool) -> int:
-    return x.shape[1] // groups * kernel_size[0] * kernel_size[1] + int(bias)
 
 
 # --------------------------------------------------------------------------- #

@@ -16,10 +16,8 @@ import torch.nn.functional as F
 __all__ = [
     "accumulate_dtype",
     "conv_covariance",
-    "conv_covariance_ema_",
     "conv_patches",
     "covariance",
-    "covariance_ema_",
     "eigen_precondition",
     "eigh",
 ]
@@ -126,33 +124,6 @@ def conv_covariance(
     p = conv_patches(x.to(acc), kernel_size, stride, padding, dilation, groups, bias)
     c = torch.bmm(p.transpose(1, 2), p) * scale
     return _symmetrize(c).to(x.dtype)
-
-
-def covariance_ema_(
-    running: torch.Tensor, x: torch.Tensor, scale: float, *, bias: bool, rho: float
-) -> None:
-    """Updates ``running = rho * running + (1 - rho) * covariance(x, scale, bias)``."""
-    batch = covariance(x.to(running.dtype), scale, bias=bias)
-    running.mul_(rho).add_(batch, alpha=1.0 - rho)
-
-
-def conv_covariance_ema_(
-    running: torch.Tensor,
-    x: torch.Tensor,
-    kernel_size: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
-    groups: int,
-    bias: bool,
-    scale: float,
-    rho: float,
-) -> None:
-    """Updates ``running = rho * running + (1 - rho) * conv_covariance(...)``."""
-    batch = conv_covariance(
-        x.to(running.dtype), kernel_size, stride, padding, dilation, groups, bias, scale
-    )
-    running.mul_(rho).add_(batch, alpha=1.0 - rho)
 
 
 def eigen_precondition(

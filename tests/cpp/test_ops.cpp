@@ -173,27 +173,6 @@ void test_conv_covariance() {
   }
 }
 
-void test_ema() {
-  const at::Tensor x = at::randn({50, 6}, at::kDouble);
-  at::Tensor running = at::randn({7, 7}, at::kDouble);
-  running = running + running.t();
-  const at::Tensor old = running.clone();
-  kaisa::cpu::covariance_ema_(running, x, 0.1, true, 0.8);
-  const at::Tensor expected = 0.8 * old + 0.2 * loop_covariance(x, 0.1, true);
-  EXPECT(max_abs_diff(running, expected) < 1e-10, "covariance_ema_ err %g",
-         max_abs_diff(running, expected));
-
-  const at::Tensor xc = at::randn({2, 4, 6, 6}, at::kDouble);
-  at::Tensor rc = at::randn({2, 19, 19}, at::kDouble);
-  rc = rc + rc.transpose(1, 2);
-  const at::Tensor oldc = rc.clone();
-  kaisa::cpu::conv_covariance_ema_(rc, xc, {3, 3}, {1, 1}, {1, 1}, {1, 1}, 2, true, 0.5, 0.3);
-  const at::Tensor expc =
-      0.3 * oldc + 0.7 * loop_conv_covariance(xc, {3, 3}, {1, 1}, {1, 1}, {1, 1}, 2, true, 0.5);
-  EXPECT(max_abs_diff(rc, expc) < 1e-10, "conv_covariance_ema_ err %g", max_abs_diff(rc, expc));
-  EXPECT(exactly_symmetric(rc), "conv_covariance_ema_ not symmetric");
-}
-
 void test_eigen_precondition() {
   const int64_t m = 5, n = 7;
   const double damping = 0.05;
@@ -244,15 +223,18 @@ void test_eigen_precondition() {
 }
 
 void test_batched_eigh() {
-  at::Tensor a = at::randn({3, 8, 8}, at::kDouble);
-  a = a + a.transpose(1, 2);
-  auto [vals, vecs] = kaisa::cpu::batched_eigh(a);
-  const at::Tensor recon = at::bmm(at::bmm(vecs, at::diag_embed(vals)), vecs.transpose(1, 2));
-  EXPECT(max_abs_diff(recon, a) < 1e-10, "batched_eigh reconstruction err %g",
-         max_abs_diff(recon, a));
-  EXPECT(vecs.is_contiguous(), "batched_eigh eigenvectors must be contiguous");
-  EXPECT((vals.narrow(1, 1, 7) >= vals.narrow(1, 0, 7)).all().item<bool>(),
-         "batched_eigh eigenvalues not ascending");
+  // n = 8: one linalg_eigh call; n = 80: the matrix-parallel path.
+  for (const int64_t n : {8, 80}) {
+    at::Tensor a = at::randn({3, n, n}, at::kDouble);
+    a = a + a.transpose(1, 2);
+    auto [vals, vecs] = kaisa::cpu::batched_eigh(a);
+    const at::Tensor recon = at::bmm(at::bmm(vecs, at::diag_embed(vals)), vecs.transpose(1, 2));
+    EXPECT(max_abs_diff(recon, a) < 1e-10, "batched_eigh(n=%ld) reconstruction err %g",
+           static_cast<long>(n), max_abs_diff(recon, a));
+    EXPECT(vecs.is_contiguous(), "batched_eigh eigenvectors must be contiguous");
+    EXPECT((vals.narrow(1, 1, n - 1) >= vals.narrow(1, 0, n - 1)).all().item<bool>(),
+           "batched_eigh eigenvalues not ascending");
+  }
 }
 
 void test_dispatcher_and_errors() {
@@ -288,12 +270,8 @@ void test_dispatcher_and_errors() {
                                        0.0);
       },
       "one of (da, dg) or dgda");
-  expect_throw(
-      [] {
-        at::Tensor r = at::zeros({2, 2});
-        kaisa::cpu::covariance_ema_(r, at::randn({4, 3}), 1.0, false, 0.5);
-      },
-      "running must have shape");
+  expect_throw([] { kaisa::cpu::batched_eigh(at::randn({2, 3, 4})); }, "square");
+  expect_throw([] { kaisa::cpu::batched_eigh(at::randn({4, 2, 3, 3})); }, "(B, n, n)");
 }
 
 }  // namespace
@@ -302,7 +280,6 @@ int main() {
   at::manual_seed(0);
   test_covariance();
   test_conv_covariance();
-  test_ema();
   test_eigen_precondition();
   test_batched_eigh();
   test_dispatcher_and_errors();
