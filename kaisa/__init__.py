@@ -10,6 +10,7 @@ Quickstart::
 from __future__ import annotations
 
 from kaisa import ops
+from kaisa.config import KFACConfig
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
 from kaisa.layers import KFACLayer
 from kaisa.preconditioner import KFACPreconditioner
@@ -18,6 +19,7 @@ __all__ = [
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "KFACConfig",
     "KFACLayer",
     "KFACPreconditioner",
     "ops",

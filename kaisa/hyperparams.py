@@ -6,10 +6,27 @@ import math
 from collections.abc import Callable
 from typing import TypeAlias, TypeVar
 
-__all__ = ["Schedule", "check_float", "check_int", "evaluate"]
+__all__ = [
+    "FLOAT_BOUNDS",
+    "Schedule",
+    "check_bounded",
+    "check_float",
+    "check_int",
+    "evaluate",
+    "scheduled_float",
+    "scheduled_int",
+]
 
 T = TypeVar("T", int, float)
 Schedule: TypeAlias = T | Callable[[int], T]
+
+#: (exclusive lower bound, inclusive upper bound) of the float hyperparameters.
+FLOAT_BOUNDS: dict[str, tuple[float, float | None]] = {
+    "damping": (0.0, None),
+    "factor_decay": (0.0, 1.0),
+    "kl_clip": (0.0, None),
+    "lr": (0.0, None),
+}
 
 
 def check_float(
@@ -51,6 +68,20 @@ def check_float(
         raise ValueError(f"{name} must be in {rng}, got {value!r}")
 
 
+def check_bounded(name: str, value: object) -> None:
+    """Validates a float hyperparameter against :data:`FLOAT_BOUNDS` (callables pass).
+
+    Args:
+        name: ``'damping'``, ``'factor_decay'``, ``'kl_clip'`` or ``'lr'``.
+        value: A number or a callable of the step.
+
+    Raises:
+        ValueError: If the value is not a number inside the bounds.
+    """
+    low, high = FLOAT_BOUNDS[name]
+    check_float(name, value, low=low, high=high)
+
+
 def check_int(name: str, value: object, *, low: int = 1) -> None:
     """Validate an integer hyperparameter (callables are checked when evaluated).
 
@@ -89,3 +120,41 @@ def evaluate(name: str, value: Schedule[T], step: int, kind: type[T]) -> T:
     if kind is int and float(out) != int(out):
         raise ValueError(f"{name} evaluated at step {step} gave {out!r}, not an integer")
     return kind(out)
+
+
+def scheduled_int(name: str, value: Schedule[int], step: int) -> int:
+    """Evaluates an integer hyperparameter at ``step`` and checks it (``>= 1``).
+
+    Args:
+        name: ``'factor_update_steps'`` or ``'inv_update_steps'``.
+        value: An int or a callable of the step.
+        step: The current step.
+
+    Returns:
+        The value at ``step``.
+
+    Raises:
+        ValueError: If the value is not an integer ``>= 1``.
+    """
+    out = evaluate(name, value, step, int)
+    check_int(name, out)
+    return out
+
+
+def scheduled_float(name: str, value: Schedule[float], step: int) -> float:
+    """Evaluates a float hyperparameter at ``step`` and checks it against :data:`FLOAT_BOUNDS`.
+
+    Args:
+        name: ``'damping'``, ``'factor_decay'``, ``'kl_clip'`` or ``'lr'``.
+        value: A number or a callable of the step.
+        step: The current step.
+
+    Returns:
+        The value at ``step``.
+
+    Raises:
+        ValueError: If the value is not a number inside the hyperparameter's bounds.
+    """
+    out = evaluate(name, value, step, float)
+    check_bounded(name, out)
+    return out

@@ -1,24 +1,17 @@
 """Distributed K-FAC: KAISA strategies, placement, fused communication and the engine."""
 
-from kaisa.distributed.comm import (
-    CommHandle,
-    CommStats,
-    Communicator,
-    LocalCommunicator,
-    TorchDistCommunicator,
-    make_communicator,
-    pack_symmetric,
-    packed_numel,
-    unpack_symmetric,
-)
 from kaisa.distributed.engine import DistributedEngine, PreconditionedGradient
+from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.memory import (
     MemoryEstimate,
     choose_fraction,
     decomposition_numel,
     estimate_memory,
 )
+from kaisa.distributed.packing import pack_symmetric, packed_numel, unpack_symmetric
 from kaisa.distributed.placement import LayerPlacement, Placement, factor_cost, place_layers
+from kaisa.distributed.protocol import CommHandle, Communicator
+from kaisa.distributed.stats import CommStats
 from kaisa.distributed.strategy import (
     DistributedStrategy,
     FractionSpec,
@@ -27,6 +20,7 @@ from kaisa.distributed.strategy import (
     strategy_fraction,
     valid_fractions,
 )
+from kaisa.distributed.torch_comm import TorchDistCommunicator, make_communicator
 
 __all__ = [
     "CommHandle",

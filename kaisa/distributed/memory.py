@@ -17,12 +17,14 @@ and the maximum over ranks is what must fit the budget.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.strategy import WorkerGrid, valid_fractions
+from kaisa.enums import AssignmentStrategy, ComputeMethod, parse_enum
+from kaisa.methods import SecondOrderMethod, make_method
 
 __all__ = [
     "MemoryEstimate",
@@ -32,32 +34,24 @@ __all__ = [
 ]
 
 _MB = 1024 * 1024
-_METHODS = ("eigen", "inverse")
 
 
 def decomposition_numel(
-    a_dim: int, g_dim: int, compute_method: str, outer_product: bool = True
+    a_dim: int, g_dim: int, compute_method: ComputeMethod | str, outer_product: bool = True
 ) -> int:
     """Elements of one layer's decompositions (one Kronecker block).
 
     Args:
         a_dim: A factor dimension.
         g_dim: G factor dimension.
-        compute_method: ``'eigen'`` (eigenvectors and eigenvalues of A and G,
-            plus, with ``outer_product``, the ``g x a`` outer product of
-            eigenvalues used to precondition) or ``'inverse'`` (inverses of A
-            and G).
-        outer_product: Whether the eigenvalue outer product is stored.
+        compute_method: The method (or its name); its ``numel`` is the model.
+        outer_product: Eigen: whether the eigenvalue outer product is stored.
 
     Returns:
         Number of elements.
     """
-    if compute_method == "eigen":
-        outer = g_dim * a_dim if outer_product else 0
-        return a_dim * a_dim + a_dim + g_dim * g_dim + g_dim + outer
-    if compute_method == "inverse":
-        return a_dim * a_dim + g_dim * g_dim
-    raise ValueError(f"compute_method must be one of {_METHODS}, got {compute_method!r}")
+    kind = parse_enum(ComputeMethod, compute_method, "compute_method")
+    return make_method(kind, outer_product=outer_product).numel(a_dim, g_dim)
 
 
 @dataclass(frozen=True)
@@ -90,12 +84,13 @@ def estimate_memory(
     layer_dims: Mapping[str, tuple[int, int]],
     grid: WorkerGrid,
     *,
-    compute_method: str = "eigen",
+    compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+    method: SecondOrderMethod | None = None,
     itemsize: int = 4,
     inv_itemsize: int | None = None,
     outer_product: bool = True,
     layer_groups: Mapping[str, int] | None = None,
-    assignment_strategy: str = "compute",
+    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
 ) -> MemoryEstimate:
     """Models every rank's K-FAC memory for one grid.
@@ -103,7 +98,8 @@ def estimate_memory(
     Args:
         layer_dims: ``name -> (a_dim, g_dim)`` in model order.
         grid: The gradient-worker grid.
-        compute_method: ``'eigen'`` or ``'inverse'``.
+        compute_method: The method (or its name), when ``method`` is not given.
+        method: The method object; its ``numel`` models the decompositions.
         itemsize: Bytes per element of the factors and gradients (4 for
             float32).
         inv_itemsize: Bytes per element of the decompositions (defaults to
@@ -120,6 +116,9 @@ def estimate_memory(
         The estimate.
     """
     inv_size = itemsize if inv_itemsize is None else inv_itemsize
+    if method is None:
+        kind = parse_enum(ComputeMethod, compute_method, "compute_method")
+        method = make_method(kind, outer_product=outer_product)
     groups = dict(layer_groups or {})
     placement = place_layers(layer_dims, grid, assignment_strategy, colocate_factors)
     factor_numel = sum(groups.get(name, 1) * (a * a + g * g) for name, (a, g) in layer_dims.items())
@@ -130,9 +129,7 @@ def estimate_memory(
         for lp in placement.layers.values():
             blocks = groups.get(lp.name, 1)
             if lp.is_grad_worker(rank):
-                decomp += blocks * decomposition_numel(
-                    lp.a_dim, lp.g_dim, compute_method, outer_product
-                )
+                decomp += blocks * method.numel(lp.a_dim, lp.g_dim)
             else:
                 # Received preconditioned gradient plus its validity flag.
                 received += blocks * lp.a_dim * lp.g_dim + 1
@@ -153,13 +150,8 @@ def choose_fraction(
     world_size: int,
     memory_budget_mb: float,
     *,
-    compute_method: str = "eigen",
-    itemsize: int = 4,
-    inv_itemsize: int | None = None,
-    outer_product: bool = True,
-    layer_groups: Mapping[str, int] | None = None,
-    assignment_strategy: str = "compute",
-    colocate_factors: bool = True,
+    estimate: Callable[[WorkerGrid], MemoryEstimate] | None = None,
+    **model: object,
 ) -> MemoryEstimate:
     """Picks the valid fraction with the least communication that fits.
 
@@ -172,13 +164,10 @@ def choose_fraction(
         layer_dims: ``name -> (a_dim, g_dim)`` in model order.
         world_size: Number of ranks.
         memory_budget_mb: Per-rank K-FAC memory budget in megabytes.
-        compute_method: ``'eigen'`` or ``'inverse'``.
-        itemsize: Bytes per factor element.
-        inv_itemsize: Bytes per decomposition element.
-        outer_product: Whether the eigen method stores the outer product.
-        layer_groups: Kronecker blocks per layer.
-        assignment_strategy: Placement cost model.
-        colocate_factors: Placement option.
+        estimate: The memory model of one grid; by default :func:`estimate_memory`
+            with the keyword arguments ``model``.
+        **model: Keyword arguments of :func:`estimate_memory` (``compute_method``,
+            ``itemsize``, ``layer_groups``, ...).
 
     Returns:
         The estimate of the chosen fraction.
@@ -197,16 +186,8 @@ def choose_fraction(
     tried: list[str] = []
     for fraction in valid_fractions(world_size):
         grid = WorkerGrid(world_size, int(fraction * world_size))
-        est = estimate_memory(
-            dims,
-            grid,
-            compute_method=compute_method,
-            itemsize=itemsize,
-            inv_itemsize=inv_itemsize,
-            outer_product=outer_product,
-            layer_groups=layer_groups,
-            assignment_strategy=assignment_strategy,
-            colocate_factors=colocate_factors,
+        est = estimate(grid) if estimate is not None else estimate_memory(
+            dims, grid, **model  # type: ignore[arg-type]
         )
         if est.max_total_mb <= memory_budget_mb:
             return est

@@ -14,29 +14,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kaisa.distributed.strategy import WorkerGrid
+from kaisa.enums import AssignmentStrategy, parse_enum
 
 __all__ = ["LayerPlacement", "Placement", "factor_cost", "place_layers"]
 
-_STRATEGIES = ("compute", "memory")
 
-
-def factor_cost(dim: int, assignment_strategy: str) -> float:
+def factor_cost(dim: int, assignment_strategy: AssignmentStrategy | str) -> float:
     """Cost of decomposing one ``dim x dim`` factor.
 
     Args:
         dim: Factor dimension ``n``.
-        assignment_strategy: ``'compute'`` (``n^3``) or ``'memory'`` (``n^2``).
+        assignment_strategy: ``COMPUTE`` (``n^3``) or ``MEMORY`` (``n^2``), or the name.
 
     Returns:
         The cost.
     """
-    if assignment_strategy == "compute":
-        return float(dim) ** 3
-    if assignment_strategy == "memory":
-        return float(dim) ** 2
-    raise ValueError(
-        f"assignment_strategy must be one of {_STRATEGIES}, got {assignment_strategy!r}"
-    )
+    strategy = parse_enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
+    return float(dim) ** (3 if strategy is AssignmentStrategy.COMPUTE else 2)
 
 
 @dataclass(frozen=True)
@@ -89,14 +83,14 @@ class Placement:
 
     Attributes:
         grid: The gradient-worker grid.
-        assignment_strategy: ``'compute'`` or ``'memory'``.
+        assignment_strategy: The cost model.
         colocate_factors: Whether A and G of one layer share a rank.
         layers: Per-layer placements, in the model's layer order.
         loads: Accumulated cost per rank.
     """
 
     grid: WorkerGrid
-    assignment_strategy: str
+    assignment_strategy: AssignmentStrategy
     colocate_factors: bool
     layers: dict[str, LayerPlacement] = field(default_factory=dict)
     loads: tuple[float, ...] = ()
@@ -124,7 +118,7 @@ class Placement:
         grid = self.grid
         lines = [
             f"K-FAC placement: world_size={grid.world_size} strategy={grid.strategy_name} "
-            f"grad_workers/layer={grid.grad_workers} assignment={self.assignment_strategy} "
+            f"grad_workers/layer={grid.grad_workers} assignment={self.assignment_strategy.value} "
             f"colocate_factors={self.colocate_factors}",
             f"  worker groups: {grid.worker_groups()}  receiver groups: {grid.receiver_groups()}",
         ]
@@ -140,14 +134,14 @@ class Placement:
                 f"{lp.g_rank:>3}  {list(lp.grad_workers)} -> {sends}"
             )
         loads = ", ".join(f"{r}:{load:.3g}" for r, load in enumerate(self.loads))
-        lines.append(f"  load per rank ({self.assignment_strategy}): {loads}")
+        lines.append(f"  load per rank ({self.assignment_strategy.value}): {loads}")
         return "\n".join(lines)
 
 
 def place_layers(
     layer_dims: Mapping[str, tuple[int, int]] | Sequence[tuple[str, int, int]],
     grid: WorkerGrid,
-    assignment_strategy: str = "compute",
+    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
 ) -> Placement:
     """Assigns every layer's decompositions with the LPT greedy heuristic.
@@ -156,8 +150,8 @@ def place_layers(
         layer_dims: ``name -> (a_dim, g_dim)`` (or ``(name, a_dim, g_dim)``
             triples) in model order.
         grid: The gradient-worker grid.
-        assignment_strategy: ``'compute'`` (cost ``n^3``) or ``'memory'``
-            (cost ``n^2``).
+        assignment_strategy: ``COMPUTE`` (cost ``n^3``) or ``MEMORY`` (cost ``n^2``), or
+            the name.
         colocate_factors: If ``False`` the A and G decompositions of a layer
             are computed by two different ranks of its worker group (when the
             group has at least two ranks).
@@ -174,7 +168,9 @@ def place_layers(
     names = [n for n, _, _ in items]
     if len(set(names)) != len(names):
         raise ValueError("layer names must be unique")
-    factor_cost(1, assignment_strategy)  # validates the strategy name
+    assignment_strategy = parse_enum(
+        AssignmentStrategy, assignment_strategy, "assignment_strategy"
+    )
 
     groups = grid.worker_groups()
     receiver_groups = grid.receiver_groups()

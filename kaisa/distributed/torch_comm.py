@@ -1,25 +1,10 @@
-"""Fused, asynchronous K-FAC communication.
+"""Fused, asynchronous K-FAC collectives on ``torch.distributed`` (gloo or NCCL).
 
-Two implementations of the :class:`Communicator` protocol:
-
-* :class:`LocalCommunicator` for a single process (world size 1 or
-  ``torch.distributed`` not initialised): every operation is a no-op that
-  returns its input.
-* :class:`TorchDistCommunicator` on top of ``torch.distributed`` (gloo or
-  NCCL): small tensors are packed into flat per-dtype buckets of up to
-  ``bucket_cap_mb`` megabytes, each bucket is sent with one asynchronous
-  collective (``async_op=True``) and unpacked when waited on.
-
-Bucket contract: buckets close when full or on :meth:`Communicator.flush`
-(waiting on a tensor whose bucket is still open flushes all open buckets).
-Every rank of a process group must therefore enqueue the same tensors (same
-shapes, dtypes and ``symmetric`` flags) in the same order and flush at the same
-points; the K-FAC schedule is a deterministic function of the model and the
-placement, so this holds by construction.
-
-Symmetric packing (``symmetric=True``) sends only the upper triangle of the
-trailing ``n x n`` matrices (``n(n+1)/2`` of ``n^2`` elements) and mirrors it
-back on receipt; batched ``(..., n, n)`` tensors are supported.
+Small tensors are packed into flat per-dtype buckets of up to ``bucket_cap_mb``
+megabytes; each bucket is sent with one asynchronous collective (``async_op=True``) and
+unpacked when waited on. K-FAC traffic uses its own process groups so it never
+interleaves with DistributedDataParallel's gradient allreduces. See
+:mod:`kaisa.distributed.protocol` for the contract.
 """
 
 from __future__ import annotations
@@ -28,313 +13,19 @@ import contextlib
 import datetime
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "CommHandle",
-    "CommStats",
-    "Communicator",
-    "LocalCommunicator",
-    "TorchDistCommunicator",
-    "make_communicator",
-    "pack_symmetric",
-    "packed_numel",
-    "unpack_symmetric",
-]
+from kaisa.distributed.local import LocalCommunicator
+from kaisa.distributed.packing import pack_symmetric, packed_numel, unpack_symmetric
+from kaisa.distributed.protocol import CommHandle, DoneHandle
+from kaisa.distributed.stats import CommStats
+
+__all__ = ["TorchDistCommunicator", "make_communicator"]
 
 _MB = 1024 * 1024
-
-
-# ---------------------------------------------------------------------------
-# Symmetric packing
-# ---------------------------------------------------------------------------
-
-_TRIU_CACHE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _triu(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat indices of the upper triangle of an ``n x n`` matrix, and its mask."""
-    key = (n, device)
-    idx = _TRIU_CACHE.get(key)
-    if idx is None:
-        iu = torch.triu_indices(n, n, device=device)
-        flat = iu[0] * n + iu[1]
-        mask = torch.ones(n, n, dtype=torch.bool, device=device).triu_()
-        idx = (flat, mask)
-        _TRIU_CACHE[key] = idx
-    return idx
-
-
-def _check_square(shape: Sequence[int]) -> int:
-    if len(shape) < 2 or shape[-1] != shape[-2]:
-        raise ValueError(f"symmetric packing needs (..., n, n) tensors, got shape {tuple(shape)}")
-    return int(shape[-1])
-
-
-def packed_numel(shape: Sequence[int], symmetric: bool) -> int:
-    """Number of elements sent for a tensor of ``shape``.
-
-    Args:
-        shape: Tensor shape.
-        symmetric: Whether only the upper triangle is sent.
-
-    Returns:
-        ``prod(shape)``, or ``prod(shape[:-2]) * n(n+1)/2`` when symmetric.
-    """
-    if not symmetric:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        return numel
-    n = _check_square(shape)
-    batch = 1
-    for s in shape[:-2]:
-        batch *= int(s)
-    return batch * n * (n + 1) // 2
-
-
-def pack_symmetric(t: torch.Tensor) -> torch.Tensor:
-    """Returns the upper triangles of ``t`` (shape ``(..., n, n)``).
-
-    Args:
-        t: Symmetric matrix or batch of matrices.
-
-    Returns:
-        Tensor of shape ``(..., n(n+1)/2)``.
-    """
-    n = _check_square(t.shape)
-    flat, _ = _triu(n, t.device)
-    batch = t.shape[:-2]
-    return t.reshape(-1, n * n).index_select(1, flat).reshape(*batch, flat.numel())
-
-
-def unpack_symmetric(packed: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rebuilds symmetric matrices from their packed upper triangles.
-
-    Args:
-        packed: Tensor of shape ``(..., n(n+1)/2)``.
-        n: Matrix dimension.
-        out: Optional destination of shape ``(..., n, n)``.
-
-    Returns:
-        The symmetric matrices, shape ``(..., n, n)``.
-    """
-    if packed.shape[-1] != n * (n + 1) // 2:
-        raise ValueError(f"packed size {packed.shape[-1]} does not match n={n}")
-    flat, mask = _triu(n, packed.device)
-    batch = packed.shape[:-1]
-    upper = packed.new_empty(int(packed[..., 0].numel()), n * n)
-    upper.index_copy_(1, flat, packed.reshape(-1, flat.numel()))
-    square = upper.view(*batch, n, n)
-    full = torch.where(mask, square, square.transpose(-1, -2))
-    if out is None:
-        return full
-    out.copy_(full)
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Statistics
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class CommStats:
-    """Counters of K-FAC communication on this rank.
-
-    Attributes:
-        bytes_sent: Payload bytes handed to collectives, by kind. For an
-            allreduce every rank counts the bucket size; for a broadcast only
-            the source rank counts it (receivers send nothing).
-        bytes_received: Broadcast payload bytes received, by kind.
-        calls: Number of collectives launched, by kind.
-        wait_seconds: Wall time spent blocked in ``wait()``, by kind.
-    """
-
-    bytes_sent: dict[str, int] = field(default_factory=dict)
-    bytes_received: dict[str, int] = field(default_factory=dict)
-    calls: dict[str, int] = field(default_factory=dict)
-    wait_seconds: dict[str, float] = field(default_factory=dict)
-
-    def add_sent(self, kind: str, nbytes: int) -> None:
-        """Records ``nbytes`` sent in one collective of ``kind``."""
-        self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-
-    def add_received(self, kind: str, nbytes: int) -> None:
-        """Records ``nbytes`` received in one broadcast of ``kind``."""
-        self.bytes_received[kind] = self.bytes_received.get(kind, 0) + nbytes
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-
-    def add_wait(self, kind: str, seconds: float) -> None:
-        """Records time blocked waiting on a collective of ``kind``."""
-        self.wait_seconds[kind] = self.wait_seconds.get(kind, 0.0) + seconds
-
-    def reset(self) -> None:
-        """Zeroes every counter."""
-        self.bytes_sent.clear()
-        self.bytes_received.clear()
-        self.calls.clear()
-        self.wait_seconds.clear()
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        """A JSON-friendly copy of the counters."""
-        return {
-            "bytes_sent": {k: float(v) for k, v in self.bytes_sent.items()},
-            "bytes_received": {k: float(v) for k, v in self.bytes_received.items()},
-            "calls": {k: float(v) for k, v in self.calls.items()},
-            "wait_seconds": dict(self.wait_seconds),
-        }
-
-
-# ---------------------------------------------------------------------------
-# Handles and protocol
-# ---------------------------------------------------------------------------
-
-
-@runtime_checkable
-class CommHandle(Protocol):
-    """A pending result of :meth:`Communicator.allreduce_mean` or ``broadcast``."""
-
-    def wait(self) -> torch.Tensor:
-        """Blocks until the collective finished and returns the result."""
-        ...
-
-    def is_ready(self) -> bool:
-        """Whether :meth:`wait` would return without blocking on the network."""
-        ...
-
-
-class _DoneHandle:
-    """A handle whose result is already known."""
-
-    __slots__ = ("_tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
-
-    def wait(self) -> torch.Tensor:
-        return self._tensor
-
-    def is_ready(self) -> bool:
-        return True
-
-
-@runtime_checkable
-class Communicator(Protocol):
-    """Collective operations used by the distributed K-FAC preconditioner.
-
-    Attributes:
-        rank: This process's rank.
-        world_size: Number of processes.
-        stats: Communication counters of this rank.
-    """
-
-    rank: int
-    world_size: int
-    stats: CommStats
-
-    def allreduce_mean(
-        self, tensor: torch.Tensor, *, symmetric: bool = False, kind: str = "factors"
-    ) -> CommHandle:
-        """Averages ``tensor`` over all ranks (asynchronously, fused).
-
-        Args:
-            tensor: Local contribution; it must not be modified before the
-                handle is waited on.
-            symmetric: Send only the upper triangle of the ``(..., n, n)``
-                tensor and rebuild it on receipt.
-            kind: Counter key for :attr:`stats`.
-
-        Returns:
-            A handle whose ``wait()`` returns the average (a new tensor).
-        """
-        ...
-
-    def broadcast(
-        self,
-        tensor: torch.Tensor,
-        src: int,
-        group: Sequence[int],
-        *,
-        symmetric: bool = False,
-        kind: str = "decompositions",
-    ) -> CommHandle:
-        """Broadcasts ``tensor`` from ``src`` to the ranks of ``group``.
-
-        On ``src`` the tensor is the data; on the other members it is the
-        destination, overwritten in place when the handle is waited on. Ranks
-        outside ``group`` get a completed handle and send nothing.
-
-        Args:
-            tensor: Data (source) or destination buffer (receivers).
-            src: Global rank of the source; must be in ``group``.
-            group: Global ranks taking part (a group registered at
-                construction for :class:`TorchDistCommunicator`).
-            symmetric: Send only upper triangles.
-            kind: Counter key for :attr:`stats`.
-
-        Returns:
-            A handle whose ``wait()`` returns ``tensor`` filled with the data.
-        """
-        ...
-
-    def flush(self) -> None:
-        """Launches every open bucket."""
-        ...
-
-    def wait_all(self) -> None:
-        """Flushes and waits for every launched collective."""
-        ...
-
-
-# ---------------------------------------------------------------------------
-# Local (single process)
-# ---------------------------------------------------------------------------
-
-
-class LocalCommunicator:
-    """The communicator of a single process: every operation is a no-op."""
-
-    def __init__(self) -> None:
-        self.rank = 0
-        self.world_size = 1
-        self.stats = CommStats()
-
-    def allreduce_mean(
-        self, tensor: torch.Tensor, *, symmetric: bool = False, kind: str = "factors"
-    ) -> CommHandle:
-        """Returns ``tensor`` unchanged (the mean over one rank)."""
-        return _DoneHandle(tensor)
-
-    def broadcast(
-        self,
-        tensor: torch.Tensor,
-        src: int,
-        group: Sequence[int],
-        *,
-        symmetric: bool = False,
-        kind: str = "decompositions",
-    ) -> CommHandle:
-        """Returns ``tensor`` unchanged (nothing to send)."""
-        if src != 0:
-            raise ValueError(f"src must be 0 in a single process, got {src}")
-        return _DoneHandle(tensor)
-
-    def flush(self) -> None:
-        """Does nothing."""
-
-    def wait_all(self) -> None:
-        """Does nothing."""
-
-
-# ---------------------------------------------------------------------------
-# torch.distributed
-# ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -620,7 +311,7 @@ class TorchDistCommunicator:
             raise ValueError(f"broadcast source {src} is not in group {list(group)}")
         self._group_handle(key)
         if self.rank not in key or len(key) == 1:
-            return _DoneHandle(tensor)
+            return DoneHandle(tensor)
         return self._enqueue("broadcast", tensor, key, src, symmetric, kind)
 
     def flush(self) -> None:

@@ -1,0 +1,121 @@
+"""The collective operations the K-FAC engine uses, as a protocol.
+
+Two implementations: :class:`~kaisa.distributed.local.LocalCommunicator` (one process)
+and :class:`~kaisa.distributed.torch_comm.TorchDistCommunicator` (``torch.distributed``,
+fused asynchronous buckets). Tests use fakes that implement the same protocol.
+
+Bucket contract: buckets close when full or on :meth:`Communicator.flush` (waiting on a
+tensor whose bucket is still open flushes all open buckets). Every rank of a process
+group must therefore enqueue the same tensors (same shapes, dtypes and ``symmetric``
+flags) in the same order and flush at the same points; the K-FAC schedule is a
+deterministic function of the model and the placement, so this holds by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kaisa.distributed.stats import CommStats
+
+__all__ = ["CommHandle", "Communicator", "DoneHandle"]
+
+
+@runtime_checkable
+class CommHandle(Protocol):
+    """A pending result of :meth:`Communicator.allreduce_mean` or ``broadcast``."""
+
+    def wait(self) -> torch.Tensor:
+        """Blocks until the collective finished and returns the result."""
+        ...
+
+    def is_ready(self) -> bool:
+        """Whether :meth:`wait` would return without blocking on the network."""
+        ...
+
+
+class DoneHandle:
+    """A handle whose result is already known."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        """Returns the known result."""
+        return self._tensor
+
+    def is_ready(self) -> bool:
+        """Always true."""
+        return True
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Collective operations used by the distributed K-FAC preconditioner.
+
+    Attributes:
+        rank: This process's rank.
+        world_size: Number of processes.
+        stats: Communication counters of this rank.
+    """
+
+    rank: int
+    world_size: int
+    stats: CommStats
+
+    def allreduce_mean(
+        self, tensor: torch.Tensor, *, symmetric: bool = False, kind: str = "factors"
+    ) -> CommHandle:
+        """Averages ``tensor`` over all ranks (asynchronously, fused).
+
+        Args:
+            tensor: Local contribution; it must not be modified before the
+                handle is waited on.
+            symmetric: Send only the upper triangle of the ``(..., n, n)``
+                tensor and rebuild it on receipt.
+            kind: Counter key for :attr:`stats`.
+
+        Returns:
+            A handle whose ``wait()`` returns the average (a new tensor).
+        """
+        ...
+
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int,
+        group: Sequence[int],
+        *,
+        symmetric: bool = False,
+        kind: str = "decompositions",
+    ) -> CommHandle:
+        """Broadcasts ``tensor`` from ``src`` to the ranks of ``group``.
+
+        On ``src`` the tensor is the data; on the other members it is the
+        destination, overwritten in place when the handle is waited on. Ranks
+        outside ``group`` get a completed handle and send nothing.
+
+        Args:
+            tensor: Data (source) or destination buffer (receivers).
+            src: Global rank of the source; must be in ``group``.
+            group: Global ranks taking part (a group registered at
+                construction for :class:`TorchDistCommunicator`).
+            symmetric: Send only upper triangles.
+            kind: Counter key for :attr:`stats`.
+
+        Returns:
+            A handle whose ``wait()`` returns ``tensor`` filled with the data.
+        """
+        ...
+
+    def flush(self) -> None:
+        """Launches every open bucket."""
+        ...
+
+    def wait_all(self) -> None:
+        """Flushes and waits for every launched collective."""
+        ...

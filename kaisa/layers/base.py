@@ -1,0 +1,305 @@
+"""Per-layer K-FAC state, split by role.
+
+A :class:`KFACLayer` wraps one registered module and holds three separate pieces:
+
+* :class:`BatchStatistics` (``layer.stats``): what the hooks record during a step — the
+  per-micro-batch factor sums, or the raw inputs / output gradients when factors are
+  computed in ``step()``;
+* :class:`RunningFactors` (``layer.factors``): the running averages ``A`` and ``G``
+  (``(groups, n, n)``, starting from the identity) and the count of non-finite batch
+  factors that were skipped;
+* ``layer.decomposition``: the second-order method's state (a ``dict`` of tensors, see
+  :mod:`kaisa.methods`); the layer never interprets it.
+
+A layer *kind* (:mod:`kaisa.layers.linear`, :mod:`kaisa.layers.conv2d`) only says how
+the batch factors are computed from its module's inputs and output gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from kaisa.methods import SecondOrderMethod
+
+__all__ = ["BatchStatistics", "KFACLayer", "RunningFactors"]
+
+_FACTOR_KEYS = ("A", "G", "skipped_a", "skipped_g")
+
+
+@dataclass
+class BatchStatistics:
+    """What the hooks recorded in the current step (cleared when taken)."""
+
+    a_sum: torch.Tensor | None = None
+    g_sum: torch.Tensor | None = None
+    a_count: int = 0
+    g_count: int = 0
+    saved_inputs: list[torch.Tensor] = field(default_factory=list)
+    saved_grads: list[torch.Tensor] = field(default_factory=list)
+
+    def add_a(self, a_batch: torch.Tensor) -> None:
+        """Adds one micro-batch A factor."""
+        self.a_sum = a_batch if self.a_sum is None else self.a_sum.add_(a_batch)
+        self.a_count += 1
+
+    def add_g(self, g_batch: torch.Tensor) -> None:
+        """Adds one micro-batch G factor."""
+        self.g_sum = g_batch if self.g_sum is None else self.g_sum.add_(g_batch)
+        self.g_count += 1
+
+    @property
+    def has_factors(self) -> bool:
+        """Whether any batch factor was recorded."""
+        return self.a_sum is not None or self.g_sum is not None
+
+    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Mean batch factors over the recorded micro-batches; clears them."""
+        a = None if self.a_sum is None else self.a_sum / self.a_count
+        g = None if self.g_sum is None else self.g_sum / self.g_count
+        self.a_sum = self.g_sum = None
+        self.a_count = self.g_count = 0
+        return a, g
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return _size(self.a_sum, self.g_sum, *self.saved_inputs, *self.saved_grads)
+
+
+@dataclass
+class RunningFactors:
+    """Running factors ``F <- rho F + (1 - rho) F_batch`` and the skipped-batch counts."""
+
+    a: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+    skipped_a: torch.Tensor | None = None  # 0-d counts: no host synchronisation
+    skipped_g: torch.Tensor | None = None
+
+    def fold(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, rho: float) -> None:
+        """Folds batch factors in; a non-finite batch is skipped (and counted)."""
+        if a_batch is not None:
+            self.a, self.skipped_a = _fold(self.a, a_batch, rho, self.skipped_a)
+        if g_batch is not None:
+            self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g)
+
+    @property
+    def skipped(self) -> int:
+        """Non-finite batch factors not folded in (synchronises the device)."""
+        return sum(int(t.item()) for t in (self.skipped_a, self.skipped_g) if t is not None)
+
+
+class KFACLayer:
+    """K-FAC state of one registered module.
+
+    Subclasses (layer kinds) implement :meth:`compute_a_batch` and
+    :meth:`compute_g_batch` and may override :meth:`supports`.
+
+    Attributes:
+        name: The module's name in the model.
+        module: The wrapped module.
+        groups: Number of independent Kronecker blocks.
+        has_bias: Whether the gradient matrix has a bias column.
+        factor_dtype: Dtype of the factors, ``None`` to follow the activations (>= fp32).
+        stats: The statistics recorded in the current step.
+        factors: The running factors.
+        decomposition: The second-order method's state (see :mod:`kaisa.methods`).
+        method: The second-order method that owns ``decomposition`` (set by the
+            preconditioner).
+    """
+
+    #: The module type this kind handles (set by each layer kind).
+    module_type: ClassVar[type[nn.Module]] = nn.Module
+
+    def __init__(self, *, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
+        self.name = name
+        self.module = module
+        self.factor_dtype = factor_dtype
+        self.groups = 1
+        self.has_bias = getattr(module, "bias", None) is not None
+        self.stats = BatchStatistics()
+        self.factors = RunningFactors()
+        self.decomposition: dict[str, torch.Tensor] = {}
+        self.method: SecondOrderMethod | None = None
+
+    @classmethod
+    def supports(cls, module: nn.Module) -> str | None:
+        """Why ``module`` cannot be registered, or ``None`` when it can."""
+        return None
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def weight(self) -> torch.Tensor:
+        """The module's weight parameter."""
+        w = self.module.weight
+        assert isinstance(w, torch.Tensor)
+        return w
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The module's bias parameter, if any."""
+        b = getattr(self.module, "bias", None)
+        return b if isinstance(b, torch.Tensor) else None
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """``(a_dim, g_dim)`` of one Kronecker block."""
+        weight = self.weight
+        return weight[0].numel() + int(self.has_bias), weight.shape[0] // self.groups
+
+    # ------------------------------------------------------------------ public views
+    @property
+    def a(self) -> torch.Tensor | None:
+        """Running A factors ``(groups, n, n)``."""
+        return self.factors.a
+
+    @property
+    def g(self) -> torch.Tensor | None:
+        """Running G factors ``(groups, m, m)``."""
+        return self.factors.g
+
+    @property
+    def a_factor(self) -> torch.Tensor | None:
+        """Running A factor: ``(n, n)``, or ``(groups, n, n)`` for grouped convolutions."""
+        return self._view(self.factors.a)
+
+    @property
+    def g_factor(self) -> torch.Tensor | None:
+        """Running G factor: ``(m, m)``, or ``(groups, m, m)`` for grouped convolutions."""
+        return self._view(self.factors.g)
+
+    def _view(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.groups > 1:
+            return t
+        return t[0]
+
+    def has_decomposition(self) -> bool:
+        """Whether the layer holds what its method needs to precondition."""
+        return self.method is not None and self.method.ready(self.decomposition)
+
+    @property
+    def skipped_updates(self) -> int:
+        """How many non-finite per-batch factors were not folded in (syncs the device)."""
+        return self.factors.skipped
+
+    def __getattr__(self, key: str) -> Any:
+        # Decomposition entries read as attributes (``layer.qa``, ``layer.a_inv``, ...);
+        # ``None`` when the method stores no such entry.
+        if key in _DECOMPOSITION_NAMES:
+            return self.__dict__["decomposition"].get(key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
+    # ------------------------------------------------------------------ statistics
+    def dtype_for(self, t: torch.Tensor) -> torch.dtype:
+        """Factor dtype for activations ``t``: ``factor_dtype`` or ``t``'s, at least fp32."""
+        if self.factor_dtype is not None:
+            return self.factor_dtype
+        return torch.promote_types(t.dtype, torch.float32)
+
+    def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-batch A factor of input ``x`` (``(groups, n, n)``)."""
+        raise NotImplementedError
+
+    def compute_g_batch(
+        self, grad_output: torch.Tensor, loss_scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """The per-batch G factor of output gradient ``grad_output``."""
+        raise NotImplementedError
+
+    def take_batch_factors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Mean per-batch factors over the recorded micro-batches; clears the statistics."""
+        return self.stats.take()
+
+    # ------------------------------------------------------------------ gradients
+    def grad_matrix(self) -> torch.Tensor | None:
+        """``[W.grad | b.grad]`` as ``(groups, out/groups, n)``; ``None`` without a gradient."""
+        weight = self.weight
+        if weight.grad is None:
+            return None
+        out = weight.shape[0]
+        g = weight.grad.reshape(out, -1)
+        if self.bias is not None:
+            bgrad = self.bias.grad
+            if bgrad is None:
+                bgrad = torch.zeros(out, dtype=g.dtype, device=g.device)
+            g = torch.cat([g, bgrad.reshape(out, 1)], dim=1)
+        return g.reshape(self.groups, out // self.groups, -1)
+
+    def write_grad(self, precond: torch.Tensor) -> None:
+        """Copy a preconditioned ``(groups, out/groups, n)`` matrix into the ``.grad``s."""
+        weight = self.weight
+        assert weight.grad is not None
+        out = weight.shape[0]
+        mat = precond.reshape(out, -1)
+        bias = self.bias
+        if bias is not None:
+            if bias.grad is not None:
+                bias.grad.copy_(mat[:, -1].reshape(bias.grad.shape))
+            mat = mat[:, :-1]
+        weight.grad.copy_(mat.reshape(weight.grad.shape))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Running factors, skip counts and the decomposition state, as tensors."""
+        f = self.factors
+        state: dict[str, Any] = {
+            "A": f.a, "G": f.g, "skipped_a": f.skipped_a, "skipped_g": f.skipped_g,
+        }
+        state.update(self.decomposition)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output, moving tensors to the module's device."""
+        device = self.weight.device
+
+        def get(key: str) -> torch.Tensor | None:
+            t = state.get(key)
+            return None if t is None else t.to(device).clone()
+
+        self.factors = RunningFactors(get("A"), get("G"), get("skipped_a"), get("skipped_g"))
+        self.decomposition = {
+            key: t.to(device).clone()
+            for key, t in state.items()
+            if key not in _FACTOR_KEYS and isinstance(t, torch.Tensor)
+        }
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held by this layer: ``factors``, ``decompositions`` and ``buffers``."""
+        return {
+            "factors": _size(self.factors.a, self.factors.g),
+            "decompositions": _size(*self.decomposition.values()),
+            "buffers": self.stats.nbytes(),
+        }
+
+    def __repr__(self) -> str:
+        kind = type(self.module).__name__
+        return f"{type(self).__name__}({self.name!r}, {kind}, groups={self.groups})"
+
+
+#: Decomposition entries readable as layer attributes (every method's state keys).
+_DECOMPOSITION_NAMES = frozenset({"qa", "da", "qg", "dg", "dgda", "a_inv", "g_inv"})
+
+
+def _size(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _fold(
+    running: torch.Tensor | None,
+    batch: torch.Tensor,
+    rho: float,
+    skipped: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if running is None:
+        eye = torch.eye(batch.shape[-1], dtype=batch.dtype, device=batch.device)
+        running = eye.expand_as(batch).clone()
+    if skipped is None:
+        skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
+    finite = torch.isfinite(batch.sum())  # one reduction: any NaN/Inf makes it non-finite
+    updated = running * rho + batch * (1.0 - rho)
+    running = torch.where(finite, updated, running)
+    skipped = skipped + (~finite).to(skipped.dtype)
+    return running, skipped

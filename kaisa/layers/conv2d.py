@@ -1,0 +1,46 @@
+"""``nn.Conv2d`` layers with zeros padding; groups become independent Kronecker blocks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kaisa import factors
+from kaisa.layers.base import KFACLayer
+
+__all__ = ["Conv2dLayer"]
+
+
+class Conv2dLayer(KFACLayer):
+    """An ``nn.Conv2d``: ``A = (Pb/S)^T (Pb/S) / (N S)``, ``G = (D/S)^T (D/S) / (N S)``."""
+
+    module_type = nn.Conv2d
+
+    def __init__(self, *, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
+        super().__init__(name=name, module=module, factor_dtype=factor_dtype)
+        assert isinstance(module, nn.Conv2d)
+        self.geometry = factors.ConvGeometry.of(module)
+        self.groups = self.geometry.groups
+
+    @classmethod
+    def supports(cls, module: nn.Module) -> str | None:
+        """Only zeros padding is supported."""
+        mode = getattr(module, "padding_mode", "zeros")
+        if mode != "zeros":
+            return f"padding_mode={mode!r} is not supported (only 'zeros')"
+        return None
+
+    def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """``(Pb/S)^T (Pb/S) / (N*S)`` per group."""
+        return factors.conv_a_factor(
+            x, self.geometry, bias=self.has_bias, dtype=self.dtype_for(x)
+        )
+
+    def compute_g_batch(
+        self, grad_output: torch.Tensor, loss_scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """``(D/S)^T (D/S) / (N*S)`` per group."""
+        return factors.conv_g_factor(
+            grad_output, groups=self.groups, dtype=self.dtype_for(grad_output),
+            loss_scale=loss_scale,
+        )

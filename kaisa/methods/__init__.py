@@ -1,0 +1,45 @@
+"""Second-order methods: how a layer's Kronecker factors are inverted and applied.
+
+Adding a method (e.g. eigenvalue-corrected K-FAC) is one new module implementing
+:class:`~kaisa.methods.base.SecondOrderMethod` plus one line in :data:`METHODS` (and its
+:class:`~kaisa.enums.ComputeMethod` member).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kaisa.enums import ComputeMethod
+from kaisa.methods.base import FactorSide, Payload, SecondOrderMethod, State
+from kaisa.methods.eigen import EigenMethod
+from kaisa.methods.inverse import InverseMethod
+
+__all__ = [
+    "METHODS",
+    "EigenMethod",
+    "FactorSide",
+    "InverseMethod",
+    "Payload",
+    "SecondOrderMethod",
+    "State",
+    "make_method",
+]
+
+#: Method factories by compute method; each takes ``outer_product`` (ignored where moot).
+METHODS: dict[ComputeMethod, Callable[[bool], SecondOrderMethod]] = {
+    ComputeMethod.EIGEN: lambda outer_product: EigenMethod(outer_product=outer_product),
+    ComputeMethod.INVERSE: lambda outer_product: InverseMethod(),
+}
+
+
+def make_method(kind: ComputeMethod, *, outer_product: bool = True) -> SecondOrderMethod:
+    """Builds the method object for ``kind``.
+
+    Args:
+        kind: The compute method.
+        outer_product: Eigen only: precompute the damped eigenvalue outer product.
+
+    Returns:
+        The method.
+    """
+    return METHODS[kind](outer_product)

@@ -1,0 +1,102 @@
+"""The interface every second-order method implements (eigen, inverse, and the next ones).
+
+A method owns everything that depends on *how* a layer's Kronecker factors are inverted:
+
+* :meth:`SecondOrderMethod.decompose`: factors -> per-factor results ("payloads": the
+  tensors a rank computes for one factor and broadcasts to the layer's gradient workers);
+* :meth:`SecondOrderMethod.payload_shapes` / :attr:`SecondOrderMethod.symmetric`: the
+  wire format, so receivers can allocate buffers and the communicator can send the
+  symmetric ones as upper triangles;
+* :meth:`SecondOrderMethod.install` / :meth:`SecondOrderMethod.stored`: turning payloads
+  into the layer's stored state (and back, to resend the previous result after a failure);
+* :meth:`SecondOrderMethod.precondition`: the preconditioned gradient from that state;
+* :meth:`SecondOrderMethod.numel`: the memory model.
+
+The distributed engine only moves payloads; it never looks inside them. A layer's state
+is a plain ``dict[str, Tensor]`` keyed by :attr:`SecondOrderMethod.state_keys` (the
+checkpoint keys).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import torch
+
+from kaisa.enums import ComputeMethod
+
+__all__ = ["FactorSide", "Payload", "SecondOrderMethod", "State"]
+
+#: Tensors computed for one factor (e.g. ``[eigenvectors, eigenvalues]``).
+Payload: TypeAlias = list[torch.Tensor]
+#: A layer's stored decomposition state, keyed by :attr:`SecondOrderMethod.state_keys`.
+State: TypeAlias = dict[str, torch.Tensor]
+#: Which factor of a layer: ``'A'`` (activations) or ``'G'`` (output gradients).
+FactorSide: TypeAlias = str
+
+
+class SecondOrderMethod(abc.ABC):
+    """How the curvature block of one layer is inverted and applied."""
+
+    #: The :class:`~kaisa.enums.ComputeMethod` this class implements.
+    kind: ComputeMethod
+    #: Keys of the layer state (also the checkpoint keys).
+    state_keys: tuple[str, ...]
+    #: Per payload tensor: whether it is a symmetric matrix (sent as an upper triangle
+    #: when ``symmetry_aware``).
+    symmetric: tuple[bool, ...]
+
+    @abc.abstractmethod
+    def decompose(
+        self,
+        factors: Sequence[torch.Tensor],
+        *,
+        damping: float,
+        inv_dtype: torch.dtype,
+        names: Sequence[str],
+    ) -> list[Payload | None]:
+        """Decomposes factor batches ``(blocks, n, n)``; ``None`` marks a failure.
+
+        Args:
+            factors: The running factors to decompose.
+            damping: The current damping.
+            inv_dtype: Storage dtype of the results.
+            names: One name per factor, for warnings.
+
+        Returns:
+            One payload (or ``None``) per factor.
+        """
+
+    @abc.abstractmethod
+    def payload_shapes(self, blocks: int, n: int) -> list[tuple[int, ...]]:
+        """Shapes of the payload tensors of a ``(blocks, n, n)`` factor."""
+
+    @abc.abstractmethod
+    def install(
+        self, state: State, a: Payload | None, g: Payload | None, *, damping: float
+    ) -> None:
+        """Stores new results in a layer's ``state``; ``None`` keeps the previous one."""
+
+    @abc.abstractmethod
+    def stored(self, state: State, side: FactorSide) -> Payload | None:
+        """The payload of the result currently stored for ``side``, if any."""
+
+    @abc.abstractmethod
+    def precondition(
+        self, state: State, grad: torch.Tensor, damping: float
+    ) -> torch.Tensor | None:
+        """The preconditioned ``(blocks, m, n)`` gradient, or ``None`` without a result."""
+
+    @abc.abstractmethod
+    def numel(self, a_dim: int, g_dim: int) -> int:
+        """Elements stored for one Kronecker block with factors of these sizes."""
+
+    def ready(self, state: State) -> bool:
+        """Whether ``state`` holds what :meth:`precondition` needs."""
+        return all(key in state for key in self.required_keys())
+
+    def required_keys(self) -> tuple[str, ...]:
+        """Keys that must be present before preconditioning (default: all)."""
+        return self.state_keys
