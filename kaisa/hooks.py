@@ -13,14 +13,17 @@ listener
 * ``on_backward_end()`` at the end of the last micro-batch's backward pass.
 
 Under ``torch.compile`` the hooks make no timing calls (``time.perf_counter`` would break
-the graph); timings then cover only eager execution.
+the graph); timings then cover only eager execution. Dynamo traces the output-gradient
+hook when it is registered, and its updates of Python state cost graph breaks around
+each registered layer (torch 2.13: 3 for a conv + linear model); results equal eager
+execution (tests/test_compile.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, MutableMapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -28,7 +31,7 @@ from torch import nn
 
 from kaisa.layers import KFACLayer
 
-__all__ = ["StatisticsRecorder", "loss_scale", "no_autocast"]
+__all__ = ["StatisticsRecorder", "full_precision", "loss_scale"]
 
 
 def loss_scale(grad_scaler: Any) -> float | torch.Tensor:
@@ -55,15 +58,15 @@ def loss_scale(grad_scaler: Any) -> float | torch.Tensor:
     return value.detach() if isinstance(value, torch.Tensor) else float(value)
 
 
-@contextmanager
-def no_autocast(t: torch.Tensor) -> Iterator[None]:
-    """No autograd and, when autocast is on, full precision for factor computations."""
+def full_precision(t: torch.Tensor) -> AbstractContextManager[Any]:
+    """Autocast switched off for ``t``'s device while it is on (else a no-op context).
+
+    A plain context object, not a generator, so ``torch.compile`` traces the hooks
+    without a graph break.
+    """
     if torch.is_autocast_enabled(t.device.type):
-        with torch.no_grad(), torch.autocast(device_type=t.device.type, enabled=False):
-            yield
-    else:
-        with torch.no_grad():
-            yield
+        return torch.autocast(device_type=t.device.type, enabled=False)
+    return nullcontext()
 
 
 class StatisticsRecorder:
@@ -129,7 +132,7 @@ class StatisticsRecorder:
             stats = layer.stats
             if not (stats.saved_inputs or stats.saved_grads):
                 continue
-            with no_autocast(layer.weight):
+            with torch.no_grad(), full_precision(layer.weight):
                 for x in stats.saved_inputs:
                     stats.add_a(layer.compute_a_batch(x))
                 for d in stats.saved_grads:
@@ -178,14 +181,14 @@ class StatisticsRecorder:
             self._on_backward_end()
 
     def _record_input(self, layer: KFACLayer, x: torch.Tensor) -> None:
-        with no_autocast(x):
+        with torch.no_grad(), full_precision(x):
             if self._in_hook:
                 layer.stats.add_a(layer.compute_a_batch(x))
             else:
                 layer.stats.saved_inputs.append(x)
 
     def _record_grad(self, layer: KFACLayer, d: torch.Tensor) -> None:
-        with no_autocast(d):
+        with torch.no_grad(), full_precision(d):
             if self._in_hook:
                 layer.stats.add_g(layer.compute_g_batch(d, loss_scale(self._grad_scaler)))
             else:

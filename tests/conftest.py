@@ -1,14 +1,9 @@
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 import kaisa.ops
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture
@@ -34,3 +29,18 @@ def pytest_runtest_setup(item):
         problem = kaisa.ops.cuda_kernels_error()
         if problem is not None:
             pytest.fail(f"CUDA device present but {problem}", pytrace=False)
+
+
+@pytest.fixture(params=["ext", "torch"])
+def each_backend(request):
+    """Runs the test once per kaisa.ops backend (ext only where the extension loaded)."""
+    if request.param == "ext" and not kaisa.ops.extension_available():
+        pytest.skip(f"kaisa._C not available: {kaisa.ops.extension_error()}")
+    with kaisa.ops.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Runs the test once per device (CUDA tests carry the gpu marker)."""
+    return torch.device(request.param)

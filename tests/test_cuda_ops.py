@@ -21,6 +21,7 @@ import torch
 
 import kaisa.ops as ops
 from kaisa.ops import _reference as ref
+from tests.support.cases import CONV_OP_CASES, ConvOpCase, conv_op_id
 
 pytestmark = pytest.mark.gpu
 
@@ -35,29 +36,8 @@ def _seed() -> Iterator[None]:
 
 DEV = "cuda"
 
-# (input shape, kernel, stride, padding, dilation, groups)
-ConvCase = tuple[
-    tuple[int, int, int, int],
-    tuple[int, int],
-    tuple[int, int],
-    tuple[int, int],
-    tuple[int, int],
-    int,
-]
-CONV_CASES: list[ConvCase] = [
-    ((3, 8, 9, 11), (3, 3), (1, 1), (1, 1), (1, 1), 1),
-    ((2, 6, 13, 10), (3, 2), (2, 1), (1, 0), (2, 1), 2),  # odd sizes, stride, dilation
-    ((2, 6, 9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 6),  # depthwise
-    ((2, 130, 7, 9), (1, 1), (1, 1), (0, 0), (1, 1), 1),  # 1x1, d > 2 tiles
-    ((3, 8, 7, 5), (1, 1), (1, 1), (0, 0), (1, 1), 2),  # 1x1 grouped, small planes
-    ((2, 4, 9, 8), (1, 1), (2, 2), (0, 0), (1, 1), 1),  # 1x1 stride 2
-    ((2, 3, 23, 21), (7, 7), (2, 2), (3, 3), (1, 1), 1),  # 7x7 stem, d = 147 (3 tiles)
-    ((2, 4, 11, 11), (3, 3), (2, 2), (2, 2), (2, 2), 2),  # stride 2 + dilation 2
-    ((1, 5, 6, 6), (2, 2), (1, 1), (0, 0), (1, 1), 1),  # even kernel, N = 1
-    ((5, 16, 17, 19), (3, 3), (1, 1), (1, 1), (1, 1), 1),  # d = 144, 1615 rows: splits
-    ((1, 12, 4, 4), (3, 3), (1, 1), (0, 0), (1, 1), 3),  # 2x2 output, ragged everything
-    ((4, 64, 20, 20), (3, 3), (1, 1), (1, 1), (1, 1), 4),  # groups with d = 144
-]
+ConvCase = ConvOpCase
+CONV_CASES = CONV_OP_CASES
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -132,10 +112,7 @@ def _conv_ref(x: torch.Tensor, case: ConvCase, bias: bool, scale: float) -> torc
     return ref.conv_covariance(x.double(), ks, st, pd, dl, g, bias, scale)
 
 
-def _ids(case: ConvCase) -> str:
-    shape, ks, st, pd, dl, g = case
-    geometry = f"k{ks[0]}{ks[1]}-s{st[0]}{st[1]}-p{pd[0]}{pd[1]}-d{dl[0]}{dl[1]}"
-    return f"{'x'.join(map(str, shape))}-{geometry}-g{g}"
+_ids = conv_op_id
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed, run_distributed_raw
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import kaisa
+from tests.support.dist import run_distributed, run_distributed_raw
 
 STRATEGIES = ("comm_opt", "mem_opt", "hybrid_opt")
 STEPS = 4

@@ -6,7 +6,6 @@ from fractions import Fraction
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from kaisa.distributed import (
     DistributedStrategy,
@@ -24,6 +23,7 @@ from kaisa.distributed import (
     unpack_symmetric,
     valid_fractions,
 )
+from tests.support.dist import run_distributed
 
 # ----------------------------------------------------------------------------
 # Strategy / grid

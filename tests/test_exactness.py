@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (
+from torch import nn
+
+import kaisa
+from tests.support.cases import CONV_MODULE_CASES, conv_module_id
+from tests.support.explicit import (
     conv_a_batch,
     conv_g_batch,
     explicit_pad,
@@ -15,28 +19,12 @@ from helpers import (
     linear_g_batch,
     one_step_grads,
 )
-from torch import nn
 
-import kaisa
-
-pytestmark = pytest.mark.usefixtures("float64")
+pytestmark = pytest.mark.usefixtures("float64", "each_backend")
 
 RHO = 0.7
 DAMPING = 0.003
 
-CONV_CASES = [
-    dict(in_channels=3, out_channels=5, kernel_size=3, padding=1),
-    dict(in_channels=3, out_channels=4, kernel_size=3, padding=0, bias=False),
-    dict(in_channels=2, out_channels=3, kernel_size=(3, 2), stride=2, padding=(1, 0)),
-    dict(in_channels=3, out_channels=3, kernel_size=3, dilation=2, padding=2),
-    dict(in_channels=3, out_channels=2, kernel_size=4, padding="same"),
-    dict(in_channels=2, out_channels=3, kernel_size=(2, 3), dilation=(2, 1), padding="same"),
-    dict(in_channels=3, out_channels=2, kernel_size=3, padding="valid", stride=(1, 2)),
-    dict(in_channels=4, out_channels=6, kernel_size=3, padding=1, groups=2),
-    dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, groups=4),  # depthwise
-    dict(in_channels=3, out_channels=6, kernel_size=1, groups=3, bias=False),
-    dict(in_channels=3, out_channels=4, kernel_size=1, stride=2),
-]
 
 
 def _pre(model: nn.Module, **kw) -> kaisa.KFACPreconditioner:
@@ -63,7 +51,7 @@ def test_same_padding_rule_matches_torch():
     torch.testing.assert_close(conv(x), ref)
 
 
-@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CONV_MODULE_CASES, ids=conv_module_id)
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_conv2d_factors_and_preconditioning(case, method):
     torch.manual_seed(1)

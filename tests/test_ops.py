@@ -16,24 +16,14 @@ import torch.nn.functional as F
 
 import kaisa.ops as ops
 from kaisa.ops import _reference as ref
+from tests.support.cases import CONV_OP_CASES
 
 HAS_EXT = ops.extension_available()
 needs_ext = pytest.mark.skipif(
     not HAS_EXT, reason=f"kaisa._C extension not available: {ops.extension_error()}"
 )
 
-# (input shape, kernel, stride, padding, dilation, groups)
-CONV_CASES: list[tuple[tuple[int, int, int, int], Any, Any, Any, Any, int]] = [
-    ((3, 8, 9, 11), (3, 3), (1, 1), (1, 1), (1, 1), 1),
-    ((2, 6, 13, 10), (3, 2), (2, 1), (1, 0), (2, 1), 2),  # odd sizes, stride, dilation
-    ((2, 6, 9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 6),  # depthwise
-    ((2, 8, 30, 30), (1, 1), (1, 1), (0, 0), (1, 1), 1),  # pointwise, plane-contiguous path
-    ((3, 8, 7, 5), (1, 1), (1, 1), (0, 0), (1, 1), 2),  # pointwise, small planes
-    ((2, 4, 9, 8), (1, 1), (2, 2), (0, 0), (1, 1), 1),  # 1x1 stride 2
-    ((2, 3, 23, 21), (7, 7), (2, 2), (3, 3), (1, 1), 1),  # stem conv
-    ((2, 4, 11, 11), (3, 3), (2, 2), (2, 2), (2, 2), 2),  # stride 2 + dilation 2
-    ((1, 5, 6, 6), (2, 2), (1, 1), (0, 0), (1, 1), 1),  # even kernel, N = 1
-]
+CONV_CASES = CONV_OP_CASES
 
 
 @pytest.fixture

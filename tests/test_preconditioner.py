@@ -400,3 +400,26 @@ def test_kfac_beats_sgd_on_digits():
         with torch.no_grad():
             losses[use_kfac] = F.cross_entropy(model(x), y).item()
     assert losses[True] < losses[False], losses
+
+
+def test_training_steps_agree_across_backends_and_devices(device: torch.device) -> None:
+    """The same steps on the ext and torch backends give the same parameters."""
+    results = {}
+    for backend in ("torch", "ext") if kaisa.ops.extension_available() else ("torch",):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 5)
+        ).to(device=device, dtype=torch.float64)
+        x = torch.randn(8, 3, 6, 6, device=device, dtype=torch.float64)
+        y = torch.randint(0, 5, (8,), device=device)
+        with kaisa.ops.use_backend(backend):
+            pre = kaisa.KFACPreconditioner(model, inv_dtype=torch.float64, inv_update_steps=2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                pre.step()
+                opt.step()
+        results[backend] = [p.detach().cpu() for p in model.parameters()]
+    for a, b in zip(results["torch"], results.get("ext", results["torch"]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)

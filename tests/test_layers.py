@@ -1,0 +1,86 @@
+"""Unit tests of the layer registry and the per-layer state (kaisa.layers)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from kaisa.layers import (
+    LAYER_KINDS,
+    BatchStatistics,
+    Conv2dLayer,
+    LinearLayer,
+    RunningFactors,
+    register_layers,
+)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.circ = nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(4, 2)
+        self.norm = nn.LayerNorm(4)
+
+
+def test_registry_picks_kinds_skips_frozen_unsupported_and_patterns() -> None:
+    assert list(LAYER_KINDS) == [LinearLayer, Conv2dLayer]
+    with pytest.warns(RuntimeWarning, match=r"'circ'.*padding_mode='circular'"):
+        layers = register_layers(_Net())
+    assert {n: type(la) for n, la in layers.items()} == {"conv": Conv2dLayer, "head": LinearLayer}
+    skipped = register_layers(_Net(), skip=(re.compile("Conv2d"),))  # class names too
+    assert list(skipped) == ["head"]
+    conv = layers["conv"]
+    assert conv.dims == (3 * 9 + 1, 4) and conv.groups == 1 and conv.has_bias
+
+
+def test_batch_statistics_mean_over_micro_batches_and_clear() -> None:
+    stats = BatchStatistics()
+    assert not stats.has_factors and stats.take() == (None, None)
+    stats.add_a(torch.ones(1, 2, 2))
+    stats.add_a(3 * torch.ones(1, 2, 2))
+    stats.add_g(torch.ones(1, 3, 3))
+    assert stats.nbytes() == (4 + 9) * 4
+    a, g = stats.take()
+    assert a is not None and torch.equal(a, 2 * torch.ones(1, 2, 2))
+    assert g is not None and torch.equal(g, torch.ones(1, 3, 3))
+    assert not stats.has_factors and stats.a_count == 0
+
+
+def test_running_factors_start_at_identity_and_skip_non_finite_batches() -> None:
+    f = RunningFactors()
+    f.fold(torch.zeros(1, 2, 2), None, 0.75)
+    assert f.a is not None and torch.equal(f.a, 0.75 * torch.eye(2).unsqueeze(0))
+    before = f.a.clone()
+    f.fold(torch.full((1, 2, 2), float("nan")), torch.ones(1, 1, 1), 0.5)
+    assert torch.equal(f.a, before) and f.skipped == 1
+    assert f.g is not None and torch.equal(f.g, torch.ones(1, 1, 1))
+
+
+def test_layer_state_dict_round_trip_and_gradient_matrix() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, 3, groups=2)
+    layer = Conv2dLayer(name="c", module=conv, factor_dtype=None)
+    assert layer.groups == 2 and layer.grad_matrix() is None
+    conv.weight.grad = torch.randn_like(conv.weight)
+    assert conv.bias is not None
+    conv.bias.grad = torch.randn_like(conv.bias)
+    grad = layer.grad_matrix()
+    assert grad is not None and grad.shape == (2, 3, 2 * 9 + 1)
+    layer.write_grad(2 * grad)
+    torch.testing.assert_close(layer.grad_matrix(), 2 * grad)
+    layer.factors.fold(torch.ones(2, 19, 19), torch.ones(2, 3, 3), 0.5)
+    layer.decomposition["a_inv"] = torch.eye(19).repeat(2, 1, 1)
+    state = layer.state_dict()
+    other = Conv2dLayer(name="c", module=conv, factor_dtype=None)
+    other.load_state_dict(state)
+    assert other.a is not None and torch.equal(other.a, layer.a)  # type: ignore[arg-type]
+    assert torch.equal(other.a_inv, layer.decomposition["a_inv"]) and other.qa is None
+    assert other.a_factor is not None and other.a_factor.shape == (2, 19, 19)  # grouped
+    assert other.memory_usage()["decompositions"] == 2 * 19 * 19 * 4

@@ -1,0 +1,80 @@
+"""Unit tests of the second-order methods (kaisa.methods) against explicit math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kaisa.distributed import decomposition_numel
+from kaisa.enums import ComputeMethod
+from kaisa.methods import METHODS, EigenMethod, InverseMethod, make_method
+from tests.support.explicit import kron_solve
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def _spd(blocks: int, n: int) -> torch.Tensor:
+    x = torch.randn(blocks, n, n + 2)
+    return x @ x.mT / n + 0.05 * torch.eye(n)
+
+
+@pytest.mark.parametrize("outer_product", [True, False])
+def test_eigen_method_is_the_damped_kronecker_solve(outer_product: bool) -> None:
+    torch.manual_seed(0)
+    method = EigenMethod(outer_product=outer_product)
+    a, g, grad = _spd(2, 5), _spd(2, 3), torch.randn(2, 3, 5)
+    pa, pg = method.decompose([a, g], damping=0.1, inv_dtype=torch.float64, names=["A", "G"])
+    assert pa is not None and pg is not None
+    assert [tuple(t.shape) for t in pa] == method.payload_shapes(2, 5)
+    state: dict[str, torch.Tensor] = {}
+    assert method.precondition(state, grad, 0.1) is None and not method.ready(state)
+    method.install(state, pa, pg, damping=0.1)
+    assert ("dgda" in state) == outer_product
+    assert method.stored(state, "A") == pa and method.stored(state, "G") == pg
+    out = method.precondition(state, grad, 0.1)
+    assert out is not None
+    for k in range(2):
+        torch.testing.assert_close(out[k], kron_solve(g[k], a[k], grad[k], 0.1))
+
+
+def test_inverse_method_uses_damped_inverses() -> None:
+    torch.manual_seed(1)
+    method = InverseMethod()
+    a, g, grad = _spd(1, 4), _spd(1, 6), torch.randn(1, 6, 4)
+    pa, pg = method.decompose([a, g], damping=0.2, inv_dtype=torch.float64, names=["A", "G"])
+    state: dict[str, torch.Tensor] = {}
+    method.install(state, pa, None, damping=0.2)
+    assert not method.ready(state)  # G missing
+    method.install(state, None, pg, damping=0.2)
+    out = method.precondition(state, grad, 0.2)
+    eye_a, eye_g = torch.eye(4), torch.eye(6)
+    want = torch.linalg.inv(g[0] + 0.2 * eye_g) @ grad[0] @ torch.linalg.inv(a[0] + 0.2 * eye_a)
+    assert out is not None
+    torch.testing.assert_close(out[0], want)
+    assert method.symmetric == (True,) and method.state_keys == ("a_inv", "g_inv")
+
+
+def test_install_none_keeps_the_previous_result() -> None:
+    method = EigenMethod()
+    state: dict[str, torch.Tensor] = {}
+    pa = [torch.eye(3).unsqueeze(0), torch.ones(1, 3)]
+    pg = [torch.eye(2).unsqueeze(0), 2 * torch.ones(1, 2)]
+    method.install(state, pa, pg, damping=1.0)
+    before = {k: v.clone() for k, v in state.items()}
+    method.install(state, None, None, damping=1.0)
+    assert all(torch.equal(state[k], before[k]) for k in before)
+    torch.testing.assert_close(state["dgda"], torch.full((1, 2, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("kind", list(ComputeMethod))
+def test_memory_model_is_the_method_numel(kind: ComputeMethod) -> None:
+    assert kind in METHODS
+    method = make_method(kind)
+    assert decomposition_numel(7, 3, kind) == method.numel(7, 3)
+    assert decomposition_numel(7, 3, kind.value) == method.numel(7, 3)
+    n_a, n_g = 7, 3
+    state: dict[str, torch.Tensor] = {}
+    a, g = _spd(1, n_a), _spd(1, n_g)
+    pa, pg = method.decompose([a, g], damping=0.1, inv_dtype=torch.float64, names=["A", "G"])
+    method.install(state, pa, pg, damping=0.1)
+    assert sum(t.numel() for t in state.values()) == method.numel(n_a, n_g)
