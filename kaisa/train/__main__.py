@@ -1,5 +1,5 @@
 """``python -m kaisa.train``: same as the ``kaisa-train`` command."""
 
-from kaisa.train.cli import main
+from kaisa.train import main
 
 raise SystemExit(main())
