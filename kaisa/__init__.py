@@ -14,6 +14,7 @@ from kaisa.config import KFACConfig
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
 from kaisa.layers import KFACLayer
 from kaisa.preconditioner import KFACPreconditioner
+from kaisa.scheduler import LambdaParamScheduler
 
 __all__ = [
     "AssignmentStrategy",
@@ -22,6 +23,7 @@ __all__ = [
     "KFACConfig",
     "KFACLayer",
     "KFACPreconditioner",
+    "LambdaParamScheduler",
     "ops",
 ]
 

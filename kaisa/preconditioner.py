@@ -168,6 +168,37 @@ class KFACPreconditioner:
         """Learning rate used by KL clipping, at the current step."""
         return scheduled_float("lr", self._schedules["lr"], self._steps)
 
+    def schedule(self, name: str) -> Any:
+        """The raw value of hyperparameter ``name``: a number, a callable or ``None``.
+
+        Args:
+            name: One of ``factor_update_steps``, ``inv_update_steps``, ``damping``,
+                ``factor_decay``, ``kl_clip``, ``lr``.
+
+        Raises:
+            ValueError: For another name.
+        """
+        if name not in self._schedules:
+            raise ValueError(f"unknown hyperparameter {name!r}; expected one of {HYPERPARAMETERS}")
+        return self._schedules[name]
+
+    def set_schedule(self, name: str, value: Any) -> None:
+        """Replaces hyperparameter ``name`` (a number or a callable of the step).
+
+        The value is checked like the constructor argument; checkpoints save it when it
+        is a number. :class:`kaisa.scheduler.LambdaParamScheduler` uses this.
+
+        Args:
+            name: The hyperparameter (see :meth:`schedule`).
+            value: Its new value.
+
+        Raises:
+            ValueError: For an unknown name or an invalid value.
+        """
+        self.schedule(name)
+        KFACConfig(**{name: value})  # validates exactly like the constructor
+        self._schedules[name] = value
+
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per optimisation step."""
