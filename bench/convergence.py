@@ -150,6 +150,7 @@ def run(task: str, configs: list[str], seed: int, quick: bool, workdir: Path) ->
         str(workdir),
         "--name",
         name,
+        "--overwrite",
     ]
     with contextlib.redirect_stdout(io.StringIO()):
         status = kaisa_train(argv)
@@ -158,7 +159,8 @@ def run(task: str, configs: list[str], seed: int, quick: bool, workdir: Path) ->
     histories: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        histories[record["config"]].append(record)
+        if record.get("type") != "settings":  # the head holds each configuration's settings
+            histories[record["config"]].append(record)
     return {
         "status": status,
         "rows": summary["configs"],

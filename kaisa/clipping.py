@@ -30,18 +30,25 @@ def write_preconditioned(
     """
     if not pairs:
         return
-    # A non-finite element of P makes sum(P * grad) (or sum(P)) non-finite, so one
-    # reduction per layer decides.
-    checks: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # Finiteness from min/max (NaN/Inf propagate, no overflow: a sum of large finite
+    # entries could overflow and wrongly reject a finite P).
+    checks: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     for _, g, p, valid in pairs:
-        acc = torch.promote_types(p.dtype, torch.float32)
-        t = (p.to(acc) * g.to(acc)).sum() if kl_clip is not None else p.sum(dtype=acc)
-        ok = torch.isfinite(t)
+        lo, hi = torch.aminmax(p)
+        ok = torch.isfinite(lo) & torch.isfinite(hi)
+        t = None
+        if kl_clip is not None:
+            t = (p * g).sum(dtype=torch.float64)
+            ok = ok & torch.isfinite(t)
         checks.append((t, ok if valid is None else ok & valid))
     nu: torch.Tensor | None = None
     if kl_clip is not None:
-        device = checks[0][0].device
-        terms = [torch.where(ok, t, torch.zeros_like(t)).to(device) for t, ok in checks]
+        device = checks[0][1].device
+        terms = [
+            torch.where(ok, t, torch.zeros_like(t)).to(device)
+            for t, ok in checks
+            if t is not None
+        ]
         vg = torch.stack(terms).to(torch.float64).sum() * (lr * lr)
         ratio = torch.sqrt(kl_clip / vg.abs())
         nu = torch.where(vg == 0, torch.ones_like(vg), ratio.clamp(max=1.0))

@@ -72,6 +72,9 @@ class KFACConfig:
         update_factors_in_hook: Whether factors are computed in the hooks (else in
             :meth:`~kaisa.KFACPreconditioner.step`).
         loglevel: Logging level of the informational messages.
+        collective_timeout: Seconds a K-FAC collective may wait for its peers before it
+            fails with an error naming the collective, the ranks and the timeout; ``None``
+            uses the default process group's timeout (30 minutes on gloo).
     """
 
     factor_update_steps: Schedule[int] = 1
@@ -95,6 +98,7 @@ class KFACConfig:
     skip_layers: tuple[str, ...] = ()
     update_factors_in_hook: bool = True
     loglevel: int = logging.DEBUG
+    collective_timeout: float | None = None
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +149,11 @@ class KFACConfig:
             )
         if isinstance(self.loglevel, bool) or not isinstance(self.loglevel, int):
             raise ValueError(f"loglevel must be an int logging level, got {self.loglevel!r}")
+        if self.collective_timeout is not None:
+            if callable(self.collective_timeout):
+                raise ValueError("collective_timeout must be a number of seconds or None")
+            check_float("collective_timeout", self.collective_timeout, low=0.0)
+            set_(self, "collective_timeout", float(self.collective_timeout))
         patterns = _parse_skip_layers(self.skip_layers)
         set_(self, "skip_layers", patterns)
         try:

@@ -7,6 +7,7 @@ ungrouped convolutions have one group. The heavy lifting goes through :mod:`kais
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,9 @@ def linear_g_factor(
 ) -> torch.Tensor:
     """``G_batch = D^T D / M`` of a Linear layer, with ``D`` divided by the loss scale.
 
+    A non-finite or non-positive loss scale gives a NaN factor, which the running
+    average skips (and counts).
+
     Args:
         grad_output: gradient w.r.t. the layer output, any leading dimensions.
         dtype: the factor dtype.
@@ -96,8 +100,8 @@ def linear_g_factor(
     Returns:
         ``(1, out, out)``.
     """
-    d = grad_output.reshape(-1, grad_output.shape[-1]).to(dtype)
-    return _scaled_covariance(d, 1.0 / max(d.shape[0], 1), loss_scale).unsqueeze(0)
+    d = _unscale(grad_output.reshape(-1, grad_output.shape[-1]).to(dtype), loss_scale)
+    return ops.covariance(d, 1.0 / max(d.shape[0], 1)).unsqueeze(0)
 
 
 def conv_a_factor(
@@ -157,28 +161,30 @@ def conv_g_factor(
         grad_output = grad_output.unsqueeze(0)
     n, c, oh, ow = grad_output.shape
     s = oh * ow
-    d = grad_output.to(dtype).permute(0, 2, 3, 1).reshape(n * s, c)
+    d = _unscale(grad_output.to(dtype).permute(0, 2, 3, 1).reshape(n * s, c), loss_scale)
     scale = 1.0 / (max(n, 1) * float(s) ** 3)
     if groups == 1:
-        return _scaled_covariance(d, scale, loss_scale).unsqueeze(0)
+        return ops.covariance(d, scale).unsqueeze(0)
     m = c // groups
     dg = d.reshape(n * s, groups, m).transpose(0, 1)  # (groups, N*S, m)
     out = torch.bmm(dg.transpose(1, 2), dg).mul_(scale)
-    out = (out + out.transpose(1, 2)).mul_(0.5)
-    return _unscale(out, loss_scale)
+    return (out + out.transpose(1, 2)).mul_(0.5)
 
 
-def _scaled_covariance(
-    d: torch.Tensor, scale: float, loss_scale: float | torch.Tensor
-) -> torch.Tensor:
+def _unscale(d: torch.Tensor, loss_scale: float | torch.Tensor) -> torch.Tensor:
+    """``D / loss_scale`` before any product: no ratio of scales can overflow.
+
+    A loss scale that is not a finite positive number (NaN, inf, 0, negative: a broken
+    or misused scaler) turns ``D`` into NaNs, so the batch factor is skipped and counted
+    instead of folding a wrong one in. A device scale is checked on the device (no host
+    synchronisation).
+    """
     if isinstance(loss_scale, torch.Tensor):
-        return _unscale(ops.covariance(d, scale), loss_scale)
-    return ops.covariance(d, scale / (float(loss_scale) ** 2))
-
-
-def _unscale(factor: torch.Tensor, loss_scale: float | torch.Tensor) -> torch.Tensor:
-    if isinstance(loss_scale, torch.Tensor):
-        return factor / loss_scale.to(factor.dtype).square()
-    if loss_scale != 1.0:
-        return factor / float(loss_scale) ** 2
-    return factor
+        s = loss_scale.to(d.dtype)
+        valid = torch.isfinite(s) & (s > 0)
+        return d / torch.where(valid, s, torch.full_like(s, math.nan))
+    if loss_scale == 1.0:
+        return d
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        return torch.full_like(d, math.nan)
+    return d / loss_scale

@@ -9,6 +9,7 @@ KL clipping :mod:`kaisa.clipping`. See ``docs/architecture.md``.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -21,7 +22,14 @@ from torch import nn
 
 from kaisa.clipping import write_preconditioned
 from kaisa.config import HYPERPARAMETERS, KFACConfig
-from kaisa.distributed import Communicator, DistributedEngine, MemoryEstimate, Placement
+from kaisa.distributed import (
+    LARGE_FACTOR_DIM,
+    Communicator,
+    DistributedEngine,
+    FactorSize,
+    MemoryEstimate,
+    Placement,
+)
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
 from kaisa.hooks import StatisticsRecorder
 from kaisa.hyperparams import Schedule, scheduled_float, scheduled_int
@@ -84,6 +92,7 @@ class KFACPreconditioner:
         skip_layers: str | list[str] | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
+        collective_timeout: float | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -122,6 +131,9 @@ class KFACPreconditioner:
             on_backward_end=self._engine.backward_end,
             timings=self._timings,
         )
+        for f in self.factor_sizes():
+            if f.dim > LARGE_FACTOR_DIM:
+                warnings.warn(_large_factor_message(f), RuntimeWarning, stacklevel=2)
         logger.log(
             loglevel,
             "kaisa: registered %d layers: %s",
@@ -398,6 +410,10 @@ class KFACPreconditioner:
         """
         return self._engine.memory_estimates()
 
+    def factor_sizes(self) -> list[FactorSize]:
+        """Every factor's dimension, memory and decomposition cost, largest first."""
+        return self._engine.factor_sizes()
+
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank by kind, plus ``'total'``.
 
@@ -444,3 +460,15 @@ class KFACPreconditioner:
             yield
         finally:
             self._timings[key] += time.perf_counter() - start
+
+
+def _large_factor_message(f: FactorSize) -> str:
+    """The warning for a factor above :data:`~kaisa.distributed.LARGE_FACTOR_DIM`."""
+    blocks = f" x {f.blocks} groups" if f.blocks > 1 else ""
+    return (
+        f"kaisa: layer {f.layer!r} has a {f.dim}x{f.dim}{blocks} {f.side} factor: about "
+        f"{f.nbytes / 2**20:.0f} MB (running and batch factor, decomposition) and "
+        f"{f.gflop:.0f} GFLOP per decomposition (every inv_update_steps steps), likely most "
+        f"of each step. Leave it out with skip_layers=[{('^' + re.escape(f.layer) + '$')!r}] "
+        "or make the layer smaller"
+    )

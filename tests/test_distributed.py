@@ -288,11 +288,14 @@ def test_ddp_accumulation_auto_and_validation() -> None:
 # ----------------------------------------------------------------------------- dead peer
 
 
-def _dead_peer_job(rank: int, world: int, mode: str) -> float:
+def _dead_peer_job(rank: int, world: int, mode: str, collective_timeout: float | None = None) -> float:
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     model = Net().double()
-    pre = kaisa.KFACPreconditioner(model, grad_worker_fraction="mem_opt", inv_dtype=torch.float64)
+    pre = kaisa.KFACPreconditioner(
+        model, grad_worker_fraction="mem_opt", inv_dtype=torch.float64,
+        collective_timeout=collective_timeout,
+    )
     for step in range(3):
         x, y = _data(world, step)
         shard = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
@@ -328,3 +331,15 @@ def test_dead_peer_fails_within_timeout(mode: str) -> None:
     assert "did not complete" in err and "timeout 0:00:03" in err, err
     waited = float(err.split("[after ")[1].split("s]")[0])
     assert waited < pg_timeout + 5.0, err
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_collective_timeout_argument_bounds_a_hung_peer() -> None:
+    """The process group waits 60 s; collective_timeout=2 makes K-FAC give up in ~2 s."""
+    results = run_distributed_raw(_dead_peer_job, 2, "hang", 2.0, timeout=80, pg_timeout=60.0)
+    assert not results[0].ok, "the survivor should fail"
+    err = results[0].error
+    assert "did not complete" in err and "timeout 0:00:02" in err and "ranks [0, 1]" in err, err
+    waited = float(err.split("[after ")[1].split("s]")[0])
+    assert waited < 2.0 + 5.0, err

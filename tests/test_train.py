@@ -19,7 +19,9 @@ def _args(tmp_path: Path, *extra: str) -> list[str]:
 
 
 def _records(path: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """Epoch records of metrics.jsonl (its head holds one settings line per configuration)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in lines if r.get("type") != "settings"]
 
 
 # --- data -------------------------------------------------------------------------------
@@ -99,8 +101,8 @@ def test_resume_is_bit_identical_with_kfac(tmp_path: Path) -> None:
     assert main(_args(tmp_path, *common, "--name", "split", "--epochs", "2")) == 0
     assert main(_args(tmp_path, *common, "--name", "split", "--epochs", "4", "--resume")) == 0
     assert main(_args(tmp_path, *common, "--name", "whole", "--epochs", "4")) == 0
-    split = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
-    whole = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
+    split = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)
+    whole = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
     assert split["epoch"] == whole["epoch"] == 4
     for key, value in whole["model"].items():
         assert torch.equal(split["model"][key], value), key
@@ -131,6 +133,7 @@ def test_bad_input_exits_2_with_message(
     err = capsys.readouterr().err
     assert expected in err
     assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no usage dump
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
@@ -197,3 +200,115 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
         ("sgd+kfac", 1),
     ]
     assert result.stdout.count("| sgd+kfac |") == 1  # printed by rank 0 only
+
+
+# --- reliability: bad checkpoints, run folders, recorded settings -------------------------
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(run.iterdir())}
+
+
+def _corrupt(path: Path, how: str) -> None:
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "random":
+        path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    elif how == "not-a-checkpoint":
+        torch.save({"weights": torch.ones(3)}, path)
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "random", "not-a-checkpoint"])
+def test_resume_from_a_corrupt_checkpoint_exits_3_and_touches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    args = _args(tmp_path, "--name", "bad", "--compare", "sgd,adamw", "--no-plot")
+    assert main(args) == 0
+    run = tmp_path / "bad"
+    _corrupt(run / "checkpoint-adamw.pt", how)
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert main([*args, "--epochs", "2", "--resume"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint-adamw.pt" in err[0], err
+    assert ("empty" if how == "empty" else "corrupt" if how in ("truncated", "random")
+            else "not a kaisa-train checkpoint") in err[0]
+    assert _snapshot(run) == before  # metrics, summary, table and checkpoints untouched
+
+
+def test_resume_with_another_model_or_configuration_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _args(tmp_path, "--name", "m", "--task", "classify", "--no-plot")
+    assert main([*base, "--model", "mlp"]) == 0
+    run = tmp_path / "m"
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert main([*base, "--model", "cnn", "--resume"]) == 3
+    assert "written for another model" in capsys.readouterr().err
+    assert main([*base, "--model", "mlp", "--momentum", "0.5", "--resume"]) == 3
+    err = capsys.readouterr().err
+    assert "another configuration" in err and "momentum=0.9 there, 0.5 now" in err
+    assert _snapshot(run) == before
+
+
+def test_reusing_a_run_name_needs_resume_or_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_args(tmp_path, "--name", "r", "--compare", "sgd,adamw", "--no-plot")) == 0
+    run = tmp_path / "r"
+    before = _snapshot(run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(_args(tmp_path, "--name", "r", "--no-plot"))
+    assert exit_info.value.code == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert _snapshot(run) == before
+    assert main(_args(tmp_path, "--name", "r", "--no-plot", "--overwrite")) == 0
+    names = {p.name for p in run.iterdir()}
+    assert "checkpoint.pt" in names and not any(n.startswith("checkpoint-") for n in names)
+
+
+def test_resolved_settings_are_recorded_and_checkpoints_are_weights_only(tmp_path: Path) -> None:
+    assert main(_args(tmp_path, "--name", "s", "--compare", "sgd,sgd+kfac", "--no-plot")) == 0
+    run = tmp_path / "s"
+    summary = json.loads((run / "summary.json").read_text())
+    kfac = summary["settings"]["sgd+kfac"]
+    assert kfac["optimizer"] == "sgd" and kfac["kfac"] is True
+    assert {"lr", "momentum", "weight_decay", "kfac_damping", "kfac_inv_update_steps",
+            "kfac_grad_worker_fraction", "kfac_collective_timeout"} <= set(kfac)
+    head = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:2]]
+    assert [h["type"] for h in head] == ["settings", "settings"]
+    assert head[1]["settings"] == kfac
+    state = torch.load(run / "checkpoint-sgd+kfac.pt", weights_only=True)
+    assert state["settings"] == kfac
+
+
+def test_table_and_plot_show_huge_values_and_divergence(tmp_path: Path) -> None:
+    from kaisa.train import report
+    from kaisa.train.trainer import RunResult
+
+    assert report.number(1.5e30) == "1.500e+30" and report.number(0.0123) == "0.0123"
+    metric = report.target_metric("autoencode", True)
+    history = [
+        {"epoch": 0, "time": 0.0, "train_mse": 0.5, "test_mse": 0.5},
+        {"epoch": 1, "time": 1.0, "train_mse": 3e31, "test_mse": 3e31},
+    ]
+    results = [RunResult(label="sgd", history=history, steps=10, train_time=1.0,
+                         diverged="non-finite loss")]
+    rows = report.summary_rows(results, metric, 0.02)
+    table = report.format_table(rows, metric, 0.02)
+    assert "3.000e+31" in table and "diverged" in table
+    report.plot(results, metric, 0.02, "autoencode", tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_kfac_memory_and_largest_factors_are_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--run-dir", str(tmp_path), "--batch-size", "256", "--epochs", "1", "--kfac",
+            "--no-plot", "--log-every", "5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "K-FAC: 8 layers, modelled memory per rank" in out and "largest factors: " in out

@@ -3,10 +3,13 @@
 from kaisa.distributed.engine import DistributedEngine, PreconditionedGradient
 from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.memory import (
+    LARGE_FACTOR_DIM,
+    FactorSize,
     MemoryEstimate,
     choose_fraction,
     decomposition_numel,
     estimate_memory,
+    factor_sizes,
 )
 from kaisa.distributed.packing import pack_symmetric, packed_numel, unpack_symmetric
 from kaisa.distributed.placement import LayerPlacement, Placement, factor_cost, place_layers
@@ -23,11 +26,13 @@ from kaisa.distributed.strategy import (
 from kaisa.distributed.torch_comm import TorchDistCommunicator, make_communicator
 
 __all__ = [
+    "LARGE_FACTOR_DIM",
     "CommHandle",
     "CommStats",
     "Communicator",
     "DistributedEngine",
     "DistributedStrategy",
+    "FactorSize",
     "FractionSpec",
     "LayerPlacement",
     "LocalCommunicator",
@@ -40,6 +45,7 @@ __all__ = [
     "decomposition_numel",
     "estimate_memory",
     "factor_cost",
+    "factor_sizes",
     "make_communicator",
     "pack_symmetric",
     "packed_numel",

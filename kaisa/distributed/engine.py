@@ -20,6 +20,7 @@ It moves payloads; the math is the second-order method's
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
@@ -31,7 +32,13 @@ import torch
 import torch.distributed as dist
 
 from kaisa.config import KFACConfig
-from kaisa.distributed.memory import MemoryEstimate, choose_fraction, estimate_memory
+from kaisa.distributed.memory import (
+    FactorSize,
+    MemoryEstimate,
+    choose_fraction,
+    estimate_memory,
+    factor_sizes,
+)
 from kaisa.distributed.packing import pack_symmetric, unpack_symmetric
 from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.protocol import CommHandle, Communicator
@@ -99,9 +106,11 @@ class DistributedEngine:
         self._placement = place_layers(
             self._layer_dims, self._grid, config.assignment_strategy, config.colocate_factors
         )
+        timeout = config.collective_timeout
         self._comm: Communicator = communicator or make_communicator(
             self._grid.worker_groups() + self._grid.receiver_groups(),
             bucket_cap_mb=config.allreduce_bucket_cap_mb,
+            timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
         )
         receivers = self._grid.receiver_groups()
         self._receiver_group = {
@@ -188,6 +197,16 @@ class DistributedEngine:
             f: self._memory_model(WorkerGrid(self._world, int(f * self._world)))
             for f in valid_fractions(self._world)
         }
+
+    def factor_sizes(self) -> list[FactorSize]:
+        """Every factor's memory and decomposition cost, largest first."""
+        return factor_sizes(
+            self._layer_dims,
+            method=self._method,
+            itemsize=self._itemsize,
+            inv_itemsize=torch.empty((), dtype=self._config.inv_dtype).element_size(),
+            layer_groups={name: layer.groups for name, layer in self._layers.items()},
+        )
 
     # ------------------------------------------------------------------ factors
     def layer_done(self, layer: KFACLayer) -> None:

@@ -27,13 +27,72 @@ from kaisa.enums import AssignmentStrategy, ComputeMethod, parse_enum
 from kaisa.methods import SecondOrderMethod, make_method
 
 __all__ = [
+    "LARGE_FACTOR_DIM",
+    "FactorSize",
     "MemoryEstimate",
     "choose_fraction",
     "decomposition_numel",
     "estimate_memory",
+    "factor_sizes",
 ]
 
 _MB = 1024 * 1024
+
+#: Factors larger than this (per side) are reported at registration: their decomposition
+#: dominates a step (8193 x 8193 is ~5 TFLOP per eigendecomposition).
+LARGE_FACTOR_DIM = 8192
+
+
+@dataclass(frozen=True)
+class FactorSize:
+    """The cost of one Kronecker factor of one layer.
+
+    Attributes:
+        layer: The layer name.
+        side: ``'A'`` or ``'G'``.
+        dim: The factor dimension ``n``.
+        blocks: Kronecker blocks (convolution groups).
+        nbytes: Bytes of the running factor, the batch factor and the decomposition.
+        gflop: Billions of floating-point operations per decomposition.
+    """
+
+    layer: str
+    side: str
+    dim: int
+    blocks: int
+    nbytes: int
+    gflop: float
+
+
+def factor_sizes(
+    layer_dims: Mapping[str, tuple[int, int]],
+    *,
+    method: SecondOrderMethod,
+    itemsize: int = 4,
+    inv_itemsize: int = 4,
+    layer_groups: Mapping[str, int] | None = None,
+) -> list[FactorSize]:
+    """Every factor's memory and decomposition cost, largest first.
+
+    Args:
+        layer_dims: ``name -> (a_dim, g_dim)``.
+        method: The second-order method (its per-factor storage and cost).
+        itemsize: Bytes per factor element.
+        inv_itemsize: Bytes per decomposition element.
+        layer_groups: Kronecker blocks per layer (default 1).
+
+    Returns:
+        One entry per factor, sorted by dimension, largest first.
+    """
+    groups = dict(layer_groups or {})
+    out = []
+    for name, (a_dim, g_dim) in layer_dims.items():
+        blocks = groups.get(name, 1)
+        for side, n in (("A", a_dim), ("G", g_dim)):
+            per_block = 2 * n * n * itemsize + method.numel(n, 0) * inv_itemsize
+            gflop = blocks * method.decompose_flops(n) / 1e9
+            out.append(FactorSize(name, side, n, blocks, blocks * per_block, gflop))
+    return sorted(out, key=lambda f: (-f.dim, f.layer, f.side))
 
 
 def decomposition_numel(

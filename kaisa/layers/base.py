@@ -298,7 +298,8 @@ def _fold(
         running = eye.expand_as(batch).clone()
     if skipped is None:
         skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
-    finite = torch.isfinite(batch.sum())  # one reduction: any NaN/Inf makes it non-finite
+    lo, hi = torch.aminmax(batch)  # NaN/Inf propagate; unlike a sum, this cannot overflow
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
     updated = running * rho + batch * (1.0 - rho)
     running = torch.where(finite, updated, running)
     skipped = skipped + (~finite).to(skipped.dtype)

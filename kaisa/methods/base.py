@@ -93,6 +93,10 @@ class SecondOrderMethod(abc.ABC):
     def numel(self, a_dim: int, g_dim: int) -> int:
         """Elements stored for one Kronecker block with factors of these sizes."""
 
+    @abc.abstractmethod
+    def decompose_flops(self, n: int) -> float:
+        """Approximate floating-point operations to decompose one ``n x n`` factor."""
+
     def ready(self, state: State) -> bool:
         """Whether ``state`` holds what :meth:`precondition` needs."""
         return all(key in state for key in self.required_keys())

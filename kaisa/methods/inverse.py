@@ -70,3 +70,7 @@ class InverseMethod(SecondOrderMethod):
     def numel(self, a_dim: int, g_dim: int) -> int:
         """Both inverses."""
         return a_dim * a_dim + g_dim * g_dim
+
+    def decompose_flops(self, n: int) -> float:
+        """Cholesky (``n^3/3``) and the inverse from it (``2 n^3/3``)."""
+        return 1.0 * n**3

@@ -1,21 +1,52 @@
-"""Checkpoints that let ``--resume`` reproduce an uninterrupted run exactly."""
+"""Checkpoints that let ``--resume`` reproduce an uninterrupted run exactly.
+
+A checkpoint holds only tensors and plain Python values, so it loads with
+``torch.load(..., weights_only=True)``; the random-number-generator states are stored
+as tensors. :func:`load` and :func:`check_matches` turn every way a file can be
+unusable (truncated, empty, random bytes, another model, another configuration) into
+one :class:`CheckpointError` line, before anything of the run is touched.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+__all__ = [
+    "CheckpointError",
+    "check_matches",
+    "load",
+    "rng_state",
+    "save",
+    "set_rng_state",
+]
+
+#: Entries every kaisa-train checkpoint has.
+REQUIRED = ("epoch", "steps", "train_time", "history", "model", "optimizer", "scheduler", "rng")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed from; the message is one line naming the file."""
+
 
 def rng_state() -> dict[str, Any]:
     """Capture the Python, NumPy, torch (and CUDA) random-number-generator states."""
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -26,7 +57,16 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore states captured by :func:`rng_state`."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    npy = state["numpy"]
+    np.random.set_state(
+        (
+            npy["name"],
+            npy["keys"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
@@ -41,6 +81,61 @@ def save(path: Path, payload: dict[str, Any]) -> None:
 
 
 def load(path: Path, device: torch.device) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save` (a trusted local file)."""
-    payload: dict[str, Any] = torch.load(path, map_location=device, weights_only=False)
+    """Read a checkpoint written by :func:`save` (``weights_only=True``).
+
+    Raises:
+        CheckpointError: If the file is empty, truncated, not a torch file, or not a
+            kaisa-train checkpoint.
+    """
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"cannot resume from {path}: the file is empty")
+    try:
+        payload = torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:  # every unreadable file is the same failure for the user
+        text = str(err).strip()
+        reason = text.splitlines()[0].split(". ")[0] if text else type(err).__name__
+        raise CheckpointError(
+            f"cannot resume from {path}: corrupt or not a checkpoint ({reason[:120]})"
+        ) from None
+    if (
+        not isinstance(payload, dict)
+        or any(key not in payload for key in REQUIRED)
+        or not isinstance(payload["model"], dict)
+    ):
+        raise CheckpointError(f"cannot resume from {path}: not a kaisa-train checkpoint")
     return payload
+
+
+#: Settings that may change between a run and its resumption.
+RESUMABLE = frozenset(
+    {"epochs", "time_budget", "resume", "overwrite", "quiet", "log_every", "plot", "threads",
+     "run_dir", "name", "compare", "target", "device"}
+)
+
+
+def check_matches(
+    state: Mapping[str, Any], path: Path, settings: Mapping[str, Any], model: torch.nn.Module
+) -> None:
+    """Checks that ``state`` was written by this configuration and this model.
+
+    Raises:
+        CheckpointError: Naming the file and the first difference.
+    """
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    if want != got:
+        diff = sorted(set(want) ^ set(got)) or [k for k in want if want[k] != got[k]]
+        raise CheckpointError(
+            f"cannot resume from {path}: written for another model (first difference: "
+            f"{diff[0]})"
+        )
+    saved = state.get("settings")
+    if isinstance(saved, Mapping):
+        for key in sorted(set(saved) | set(settings)):
+            if key in RESUMABLE:
+                continue
+            if saved.get(key) != settings.get(key):
+                raise CheckpointError(
+                    f"cannot resume from {path}: written by another configuration "
+                    f"({key}={saved.get(key)!r} there, {settings.get(key)!r} now)"
+                )

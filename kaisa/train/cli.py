@@ -8,13 +8,13 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
 from kaisa.models import build_model
-from kaisa.train import distributed, report
-from kaisa.train.configs import RunSpec, parse_spec, resolve
+from kaisa.train import checkpoint, distributed, report
+from kaisa.train.configs import RunSpec, parse_spec, resolve, settings
 from kaisa.train.data import (
     Dataset,
     DatasetError,
@@ -24,7 +24,7 @@ from kaisa.train.data import (
 )
 from kaisa.train.optim import build_optimizer, build_preconditioner
 from kaisa.train.options import build_parser
-from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, train
+from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, train
 
 TASK_DEFAULTS = {
     "autoencode": {"model": "autoencoder", "epochs": 100, "target": 0.02},
@@ -34,6 +34,13 @@ TASK_DEFAULTS = {
 
 class UsageError(Exception):
     """A user error reported as ``kaisa-train: error: ...`` with exit code 2."""
+
+
+#: Exit statuses of ``kaisa-train``.
+EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_CHECKPOINT = 0, 1, 2, 3
+
+#: Files of a run directory that a new run would replace.
+RUN_FILES = ("metrics.jsonl", "summary.json", "table.md", "comparison.png")
 
 
 def _complete(options: argparse.Namespace) -> None:
@@ -105,28 +112,84 @@ def _specs(options: argparse.Namespace, parser: argparse.ArgumentParser) -> list
     return specs
 
 
-def _error(parser: argparse.ArgumentParser, message: str, is_main: bool) -> NoReturn:
+def _error(message: str, is_main: bool) -> NoReturn:
     if is_main:
-        parser.print_usage(sys.stderr)
-        print(f"{parser.prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+        print(f"kaisa-train: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``kaisa-train``; returns the exit status (0 ok, 1 diverged, 2 usage error)."""
+    """Run ``kaisa-train``; returns the exit status.
+
+    0 ok, 1 a configuration diverged, 2 usage error, 3 a checkpoint cannot be resumed
+    from (every error is one line on stderr).
+    """
     parser = build_parser()
     options = parser.parse_args(argv)
-    context = distributed.setup(options.device)
+    context = distributed.setup(options.device, timeout_s=options.pg_timeout)
     try:
         status = _run(options, parser, context)
     except (UsageError, DatasetError) as failure:
         distributed.teardown(context, wait=False)
-        _error(parser, str(failure), context.is_main)
+        _error(str(failure), context.is_main)
+    except checkpoint.CheckpointError as failure:
+        distributed.teardown(context, wait=False)
+        if context.is_main:
+            print(f"kaisa-train: error: {failure}", file=sys.stderr)
+        return EXIT_CHECKPOINT
     except BaseException:
         distributed.teardown(context, wait=False)
         raise
     distributed.teardown(context)
     return status
+
+
+def _existing_run_files(run_dir: Path) -> list[Path]:
+    if not run_dir.is_dir():
+        return []
+    files = [run_dir / name for name in RUN_FILES]
+    files += sorted(run_dir.glob("checkpoint*.pt")) + sorted(run_dir.glob("checkpoint*.partial"))
+    return [f for f in files if f.exists()]
+
+
+def _prepare_run_dir(options: argparse.Namespace, run_dir: Path, is_main: bool) -> None:
+    """Refuses to replace a previous run unless ``--overwrite``; then clears its files."""
+    if options.resume:
+        return
+    existing = _existing_run_files(run_dir)
+    if existing and not options.overwrite:
+        names = ", ".join(f.name for f in existing[:4])
+        raise UsageError(
+            f"{run_dir} already holds a run ({names}); pass --resume to continue it or "
+            "--overwrite to replace it"
+        )
+    if is_main:
+        for f in existing:
+            f.unlink()
+
+
+def _resume_states(
+    specs: list[RunSpec],
+    configs: list[argparse.Namespace],
+    data: Dataset,
+    run_dir: Path,
+    context: distributed.DistContext,
+) -> list[dict[str, Any] | None]:
+    """Loads and checks every checkpoint to resume from, before any file is touched."""
+    states: list[dict[str, Any] | None] = []
+    for spec, config in zip(specs, configs, strict=True):
+        path = run_dir / _checkpoint_name(spec, len(specs))
+        if not (config.resume and path.is_file()):
+            states.append(None)
+            continue
+        state = checkpoint.load(path, context.device)
+        checkpoint.check_matches(state, path, settings(config), build(config, data, context))
+        states.append(state)
+    return states
+
+
+def _checkpoint_name(spec: RunSpec, count: int) -> str:
+    return "checkpoint.pt" if count == 1 else f"checkpoint-{spec.slug}.pt"
 
 
 def _run(
@@ -146,12 +209,17 @@ def _run(
     for config in configs:
         _check(config, data)
     run_dir = Path(options.run_dir) / options.name
+    _prepare_run_dir(options, run_dir, context.is_main)
+    states = _resume_states(specs, configs, data, run_dir, context)  # nothing written yet
     metric = report.target_metric(options.task, options.eval_train)
     metrics = report.MetricsFile(path=run_dir / "metrics.jsonl") if context.is_main else None
+    if metrics is not None:
+        for config in configs:
+            metrics.write_header(config.label, settings(config))
     results: list[RunResult] = []
-    status = 0
-    for spec, config in zip(specs, configs, strict=True):
-        name = "checkpoint.pt" if len(specs) == 1 else f"checkpoint-{spec.slug}.pt"
+    status = EXIT_OK
+    for spec, config, state in zip(specs, configs, states, strict=True):
+        name = _checkpoint_name(spec, len(specs))
 
         def on_record(record: Record, epochs: int = config.epochs) -> None:
             if metrics is None:
@@ -160,12 +228,16 @@ def _run(
             if not options.quiet and record["epoch"] % options.log_every == 0:
                 print(report.epoch_line(record, epochs), flush=True)
 
+        if config.resume and state is None and context.is_main:
+            print(f"kaisa-train: no {run_dir / name} to resume; starting from scratch",
+                  file=sys.stderr)
         try:
             result = train(
-                config, data, context, checkpoint_path=run_dir / name, on_record=on_record
+                config, data, context, checkpoint_path=run_dir / name, on_record=on_record,
+                resume_state=state,
             )
         except NonFiniteLossError as error:
-            status = 1
+            status = EXIT_DIVERGED
             kept = run_dir / name
             note = f"last good checkpoint kept: {kept}" if kept.exists() else "no checkpoint yet"
             if context.is_main:
@@ -181,12 +253,16 @@ def _run(
         results.append(result)
     if metrics is not None:
         metrics.close()
-        _write_summary(results, metric, options, run_dir)
+        _write_summary(results, metric, options, run_dir, configs)
     return status
 
 
 def _write_summary(
-    results: list[RunResult], metric: report.Metric, options: argparse.Namespace, run_dir: Path
+    results: list[RunResult],
+    metric: report.Metric,
+    options: argparse.Namespace,
+    run_dir: Path,
+    configs: list[argparse.Namespace],
 ) -> None:
     results = [r for r in results if r.history]
     if not results:
@@ -205,6 +281,7 @@ def _write_summary(
         "metric": metric.key,
         "target": options.target,
         "configs": clean,
+        "settings": {config.label: settings(config) for config in configs},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     if options.plot:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import enum
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,3 +151,22 @@ def resolve(
         if getattr(resolved, dest, None) is None:
             setattr(resolved, dest, value)
     return resolved
+
+
+def settings(options: argparse.Namespace) -> dict[str, Any]:
+    """Every resolved option of one configuration as JSON-safe values.
+
+    Recorded in ``summary.json``, at the head of ``metrics.jsonl`` and in checkpoints
+    (where ``--resume`` compares it).
+    """
+    out: dict[str, Any] = {}
+    for key, value in sorted(vars(options).items()):
+        if isinstance(value, enum.Enum):
+            value = value.value
+        plain = isinstance(value, (str, int, bool, type(None))) or (
+            isinstance(value, float) and math.isfinite(value)
+        )
+        if not plain:
+            value = str(value)
+        out[key] = value
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 
@@ -33,11 +34,12 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def setup(device: str = "auto") -> DistContext:
+def setup(device: str = "auto", *, timeout_s: float | None = None) -> DistContext:
     """Initialise the process group under torchrun; no-op for a single process.
 
     Args:
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
+        timeout_s: Process-group timeout in seconds (``None``: torch's default).
 
     Returns:
         The context for this process. Uses gloo on CPU and nccl on CUDA.
@@ -54,7 +56,10 @@ def setup(device: str = "auto") -> DistContext:
     else:
         target = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout
+        )
     return DistContext(rank=rank, world_size=world_size, device=target)
 
 

@@ -133,4 +133,5 @@ def build_preconditioner(
         skip_layers=skip,
         update_factors_in_hook=options.kfac_update_factors_in_hook,
         loglevel=getattr(logging, options.kfac_loglevel),
+        collective_timeout=options.kfac_collective_timeout,
     )

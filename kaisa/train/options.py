@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from kaisa.models import MODELS
 from kaisa.train.data import DATASETS
@@ -145,6 +146,14 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         "one are not preconditioned (e.g. 'fc,Conv2d')",
     )
     add(
+        "--kfac-collective-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a K-FAC collective waits for its peers before failing (default: the "
+        "process group's timeout)",
+    )
+    group.add_argument(
         "--kfac-update-factors-in-hook",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -152,9 +161,16 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line (no usage dump): ``kaisa-train: error: ... (see --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Create the ``kaisa-train`` argument parser."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kaisa-train",
         description="Train small models with SGD/AdamW, optionally K-FAC preconditioned, "
         "and compare optimisers side by side.",
@@ -307,7 +323,22 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--resume",
         action="store_true",
-        help="continue each configuration from runs/NAME/checkpoint*.pt",
+        help="continue each configuration from runs/NAME/checkpoint*.pt (checked first: a "
+        "corrupt file or one from another model or configuration exits with status 3 and "
+        "touches nothing)",
+    )
+    add(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing run of the same name (without it, reusing a name is refused)",
+    )
+    add(
+        "--pg-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="torch.distributed process-group timeout under torchrun (default: torch's, "
+        "30 min on gloo)",
     )
     add(
         "--plot",

@@ -43,13 +43,37 @@ def time_to_target(history: Sequence[Record], metric: Metric, target: float) -> 
     return None
 
 
+def read_metrics(path: Path) -> tuple[dict[str, dict[str, Any]], list[Record]]:
+    """``metrics.jsonl`` as (settings by configuration, epoch records in file order)."""
+    headers: dict[str, dict[str, Any]] = {}
+    records: list[Record] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        entry = json.loads(line)
+        if entry.get("type") == "settings":
+            headers[entry["config"]] = entry["settings"]
+        else:
+            records.append(entry)
+    return headers, records
+
+
 class MetricsFile:
-    """Append-only ``metrics.jsonl``; one JSON object per configuration and epoch."""
+    """The run's ``metrics.jsonl``.
+
+    At its head one ``{"type": "settings"}`` line per configuration (every resolved
+    option), then one JSON object per configuration and epoch.
+    """
 
     def __init__(self, *, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._handle: TextIO = path.open("w", encoding="utf-8")
+
+    def write_header(self, label: str, settings: dict[str, Any]) -> None:
+        """Write the resolved settings of configuration ``label``."""
+        self._handle.write(
+            json.dumps({"type": "settings", "config": label, "settings": settings}) + "\n"
+        )
+        self._handle.flush()
 
     def write(self, record: Record) -> None:
         """Append ``record`` (NaNs become ``null``) and flush."""
@@ -126,9 +150,18 @@ def format_table(rows: Sequence[dict[str, Any]], metric: Metric, target: float) 
         lines.append(
             f"| {row['config']} | {row['epochs']} | {row['train_time']:.2f} "
             f"| {row['seconds_per_iter'] * 1e3:.2f} | {reach} | {epochs} "
-            f"| {row[f'best_{metric.key}']:.4f} | {row[f'final_{metric.key}']:.4f} |"
+            f"| {number(row[f'best_{metric.key}'])} | {number(row[f'final_{metric.key}'])} |"
         )
     return "\n".join(lines)
+
+
+def number(value: float) -> str:
+    """Four decimals, or scientific notation for huge, tiny or non-finite values."""
+    if math.isnan(value):
+        return "nan"
+    if value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4f}"
+    return f"{value:.3e}"
 
 
 def plot(
@@ -151,7 +184,10 @@ def plot(
                 points = [(x, y) for x, y in points if not math.isnan(y)]
                 if not points:
                     continue
-                (line,) = axis.plot(*zip(*points, strict=True), label=result.label)
+                label = result.label + (" (diverged)" if result.diverged else "")
+                (line,) = axis.plot(*zip(*points, strict=True), label=label)
+                if result.diverged:  # where it stopped
+                    axis.plot(*points[-1], marker="x", markersize=10, color=line.get_color())
                 hit = time_to_target(result.history, metric, target)
                 if hit is not None and key == metric.key:
                     axis.axvline(hit[x_key], color=line.get_color(), linestyle=":", alpha=0.8)
@@ -163,7 +199,10 @@ def plot(
             axis.set_ylabel(title or key.replace("_", " "))
             axis.grid(alpha=0.3)
     axes[0][0].legend()
-    figure.suptitle(f"{task}: dotted lines mark reaching {metric.title} target {target:g}")
+    figure.suptitle(
+        f"{task}: dotted lines mark reaching {metric.title} target {target:g}; "
+        "x marks where a diverged configuration stopped"
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

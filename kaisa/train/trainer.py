@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from kaisa.models import build_model
 from kaisa.train import checkpoint
+from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
 from kaisa.train.distributed import DistContext, all_reduce_sum
 from kaisa.train.optim import build_optimizer, build_preconditioner, build_scheduler
@@ -53,6 +54,22 @@ class RunResult:
     train_time: float = 0.0
     init_checksum: str = ""
     diverged: str | None = None
+
+
+def kfac_summary(label: str, pre: Any, largest: int = 3) -> str:
+    """One line: registered layers, modelled K-FAC memory per rank, the largest factors."""
+    from fractions import Fraction
+
+    estimate = pre.memory_estimates()[Fraction(pre.grad_worker_fraction).limit_denominator()]
+    top = ", ".join(
+        f"{f.layer}.{f.side} {f.dim}x{f.dim}{f' x{f.blocks}' if f.blocks > 1 else ''} "
+        f"({f.nbytes / 2**20:.1f} MB, {f.gflop:.2g} GFLOP)"
+        for f in pre.factor_sizes()[:largest]
+    )
+    return (
+        f"[{label}] K-FAC: {len(pre.layers)} layers, modelled memory per rank "
+        f"{estimate.max_total_mb:.1f} MB; largest factors: {top}"
+    )
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -160,13 +177,14 @@ class Trainer:
         self.pre = (
             build_preconditioner(self.model, options, self.optimizer) if options.kfac else None
         )
+        if self.pre is not None and context.is_main and not options.quiet:
+            print(kfac_summary(options.label, self.pre), flush=True)
         self.kfac_offset: dict[str, float] = {}
         self.epoch = 0
         self.started = time.perf_counter()
 
-    def resume(self) -> None:
-        """Restore everything from the checkpoint and replay its history to ``on_record``."""
-        state = checkpoint.load(self.checkpoint_path, self.context.device)
+    def resume(self, state: dict[str, Any]) -> None:
+        """Restore everything from a checked checkpoint; replay its history to ``on_record``."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -186,6 +204,7 @@ class Trainer:
         result = self.result
         state = {
             "label": self.options.label,
+            "settings": settings(self.options),
             "epoch": self.epoch,
             "steps": result.steps,
             "train_time": result.train_time,
@@ -329,20 +348,21 @@ def train(
     *,
     checkpoint_path: Path,
     on_record: Callable[[Record], None],
+    resume_state: dict[str, Any] | None = None,
 ) -> RunResult:
     """Train the configuration ``options.label`` and return its history.
 
-    Saves ``checkpoint_path`` after every epoch; with ``options.resume`` it
-    continues from that checkpoint. Stops after ``options.epochs`` epochs or
-    ``options.time_budget`` seconds of training (evaluation excluded). Raises
-    :class:`NonFiniteLossError` on a NaN or infinite loss, leaving the last
-    good checkpoint in place.
+    Saves ``checkpoint_path`` after every epoch; with ``resume_state`` (a checkpoint
+    already loaded and checked by the caller) it continues from there. Stops after
+    ``options.epochs`` epochs or ``options.time_budget`` seconds of training (evaluation
+    excluded). Raises :class:`NonFiniteLossError` on a NaN or infinite loss, leaving the
+    last good checkpoint in place.
     """
-    if not options.resume and context.is_main:
+    if resume_state is None and context.is_main:
         checkpoint_path.unlink(missing_ok=True)
     trainer = Trainer(options, data, context, checkpoint_path=checkpoint_path, on_record=on_record)
-    if options.resume and checkpoint_path.is_file():
-        trainer.resume()
+    if resume_state is not None:
+        trainer.resume(resume_state)
     else:
         if options.resume and context.is_main:
             print(
