@@ -13,12 +13,15 @@ from kaisa import ops
 from kaisa.config import KFACConfig
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
 from kaisa.layers import KFACLayer
+from kaisa.optimizer import KFAC, Curvature
 from kaisa.preconditioner import KFACPreconditioner
 from kaisa.scheduler import LambdaParamScheduler
 
 __all__ = [
+    "KFAC",
     "AssignmentStrategy",
     "ComputeMethod",
+    "Curvature",
     "DistributedStrategy",
     "KFACConfig",
     "KFACLayer",

@@ -104,9 +104,15 @@ class StatisticsRecorder:
         self._on_layer_done = on_layer_done
         self._on_backward_end = on_backward_end
         self._timings = timings
+        #: Whether output gradients are recorded (off for backward passes that must not
+        #: contribute G, e.g. the true-loss pass when G comes from sampled targets).
+        self.record_g = True
+        #: Backward passes per forward that record G (Monte-Carlo samples).
+        self.g_passes = 1
         self._forward_calls: dict[str, int] = {}
         self._grad_calls: dict[str, int] = {}
         self._micro_batches = 0
+        self._passes_done = 0
         self._callback_queued = False
         self._handles = [
             layer.module.register_forward_hook(self._forward_hook(layer))
@@ -124,6 +130,7 @@ class StatisticsRecorder:
         self._forward_calls.clear()
         self._grad_calls.clear()
         self._micro_batches = 0
+        self._passes_done = 0
 
     def compute_saved(self) -> None:
         """Turns kept inputs / output gradients into batch factors (``in_hook=False``)."""
@@ -160,6 +167,8 @@ class StatisticsRecorder:
 
     def _grad_hook(self, layer: KFACLayer) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if not self.record_g:
+                return
             self._timed(self._record_grad, layer, grad.detach())
             if not self._in_hook:
                 return
@@ -169,13 +178,18 @@ class StatisticsRecorder:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
             last = self._micro_batches == self._accumulation_steps - 1
-            if last and self._grad_calls[name] == self._forward_calls.get(name, 0):
+            expected = self._forward_calls.get(name, 0) * self.g_passes
+            if last and self._grad_calls[name] == expected:
                 self._on_layer_done(layer)
 
         return hook
 
     def _backward_end(self) -> None:
         self._callback_queued = False
+        self._passes_done += 1
+        if self._passes_done < self.g_passes:  # more Monte-Carlo passes of this batch
+            return
+        self._passes_done = 0
         self._micro_batches += 1
         if self._micro_batches >= self._accumulation_steps:
             self._on_backward_end()

@@ -428,6 +428,25 @@ class KFACPreconditioner:
         usage["total"] = sum(usage.values())
         return usage
 
+    @contextmanager
+    def recording_g(self, enabled: bool, *, passes: int = 1) -> Iterator[None]:
+        """Whether backward passes inside the block record G factors.
+
+        :class:`kaisa.KFAC` records G from sampled targets (``passes`` backward passes per
+        forward, one per Monte-Carlo sample) and not from the true loss's backward.
+
+        Args:
+            enabled: Record output gradients in the block.
+            passes: Backward passes per recorded forward in the block.
+        """
+        recorder = self._recorder
+        previous = (recorder.record_g, recorder.g_passes)
+        recorder.record_g, recorder.g_passes = enabled, passes
+        try:
+            yield
+        finally:
+            recorder.record_g, recorder.g_passes = previous
+
     def remove_hooks(self) -> None:
         """Detach the preconditioner from the model's modules."""
         self._recorder.remove()

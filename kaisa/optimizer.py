@@ -1,0 +1,467 @@
+"""``kaisa.KFAC``: the K-FAC optimizer with Monte-Carlo Fisher and the quadratic model.
+
+One step (Martens & Grosse 2015; kfac-jax's adaptive optimizer), on the engine of
+:class:`~kaisa.KFACPreconditioner` (every KAISA strategy works):
+
+1. **Curvature.** The forward records A factors. With ``curvature='mc'`` the G factors
+   come from a backward pass of the loss at targets sampled from the model's predictive
+   distribution (``mc_samples`` passes), scaled so ``A (x) G`` approximates the Fisher of
+   the declared loss; with ``'empirical'`` from the true loss's backward pass (kfac-pytorch's
+   convention, unscaled).
+2. **Direction.** The true loss's gradient ``g`` (plus ``weight_decay * theta``) is
+   preconditioned: ``Delta = (A (x) G + lambda I)^-1 g`` per registered layer, ``g`` itself
+   elsewhere.
+3. **Step size.** Fixed ``lr``/``momentum``: SGD with momentum on ``Delta`` (exactly
+   :class:`torch.optim.SGD` after ``KFACPreconditioner.step()``). ``'adaptive'``: the
+   update ``delta = alpha Delta + mu delta_prev`` minimises the local quadratic model
+   ``m(d) = g.d + 1/2 d.(C + (lambda + wd) I) d``, ``C`` the exact Gauss-Newton matrix of
+   the loss on this batch (Jacobian-vector products by the double-backward trick): a
+   2 x 2 linear solve. ``lr = -alpha``, ``momentum = mu``.
+4. **Damping.** Fixed, or every ``damping_interval`` steps the Levenberg-Marquardt rule on
+   ``rho = (L(theta + delta) - L(theta)) / m(delta)`` (one extra forward pass): ``lambda``
+   is multiplied by ``omega = damping_decay ** damping_interval`` when ``rho > 3/4`` and
+   divided by it when ``rho < 1/4``, within ``[min_damping, max_damping]``.
+
+In distributed runs (gradients averaged by DDP) the few scalars of the quadratic model
+and of the LM rule are averaged over ranks, so every rank takes the same step.
+
+The adaptive parts need the batch: :meth:`KFAC.step` takes a closure returning
+``(outputs, targets)`` from a fresh forward pass. Without a closure (after the user's own
+``loss.backward()``), only fixed ``lr``/``momentum`` with ``'empirical'`` curvature work.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kaisa.enums import parse_enum
+from kaisa.losses import Loss, LossKind, Reduction
+from kaisa.preconditioner import KFACPreconditioner
+
+__all__ = ["KFAC", "Curvature"]
+
+Closure = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+Schedule = float | Callable[[int], float]
+
+
+class Curvature(enum.Enum):
+    """Where the G factors come from."""
+
+    EMPIRICAL = "empirical"
+    MC = "mc"
+
+
+ADAPTIVE = "adaptive"
+
+
+class KFAC(torch.optim.Optimizer):
+    """K-FAC optimizer (see the module docstring for the algorithm).
+
+    Args:
+        model: The model; its Linear and Conv2d layers are preconditioned, every other
+            trainable parameter takes the plain gradient direction.
+        loss: ``'mse'`` or ``'cross_entropy'`` (``torch.nn.functional``'s).
+        reduction: ``'mean'`` or ``'sum'``.
+        curvature: ``'mc'`` (sampled targets, the default) or ``'empirical'``.
+        mc_samples: Monte-Carlo samples per factor update.
+        lr: A number, a callable of the step, or ``'adaptive'``.
+        momentum: A number, a callable of the step, or ``'adaptive'``.
+        damping: Initial damping ``lambda`` (> 0).
+        adaptive_damping: Adapt ``lambda`` with the Levenberg-Marquardt rule.
+        damping_interval: Steps between LM adaptations.
+        damping_decay: ``omega = damping_decay ** damping_interval``.
+        min_damping: Lower bound of ``lambda``.
+        max_damping: Upper bound of ``lambda``.
+        weight_decay: L2 coefficient, part of the objective.
+        seed: Seed of the Monte-Carlo target sampler.
+        **preconditioner: Further :class:`~kaisa.KFACPreconditioner` arguments
+            (``factor_update_steps``, ``inv_update_steps``, ``factor_decay``, ``kl_clip``
+            for the fixed mode, ``grad_worker_fraction``, ...).
+
+    Raises:
+        ValueError: For invalid arguments (naming them).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss: LossKind | str,
+        reduction: Reduction | str = Reduction.MEAN,
+        curvature: Curvature | str = Curvature.MC,
+        mc_samples: int = 1,
+        lr: Schedule | str = ADAPTIVE,
+        momentum: Schedule | str = ADAPTIVE,
+        damping: float = 1e-3,
+        adaptive_damping: bool = True,
+        damping_interval: int = 5,
+        damping_decay: float = 0.9,
+        min_damping: float = 1e-8,
+        max_damping: float = 1e3,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+        **preconditioner: Any,
+    ) -> None:
+        self.loss = Loss.of(loss, reduction)
+        self.curvature = parse_enum(Curvature, curvature, "curvature")
+        _check_positive_int("mc_samples", mc_samples)
+        _check_positive_int("damping_interval", damping_interval)
+        self.adaptive_lr = _is_adaptive("lr", lr)
+        self.adaptive_momentum = _is_adaptive("momentum", momentum)
+        if self.adaptive_momentum and not self.adaptive_lr:
+            raise ValueError("momentum='adaptive' needs lr='adaptive'")
+        for name, value, low in (("damping", damping, 0.0), ("min_damping", min_damping, 0.0),
+                                 ("max_damping", max_damping, 0.0),
+                                 ("damping_decay", damping_decay, 0.0)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > low
+            ):
+                raise ValueError(f"{name} must be a finite number > {low}, got {value!r}")
+        if not damping_decay < 1:
+            raise ValueError(f"damping_decay must be < 1, got {damping_decay!r}")
+        if not min_damping <= damping <= max_damping:
+            raise ValueError("damping must lie in [min_damping, max_damping]")
+        if isinstance(weight_decay, bool) or not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        self.mc_samples = mc_samples
+        self.adaptive_damping = adaptive_damping
+        self.damping_interval = damping_interval
+        self.omega = damping_decay**damping_interval
+        self.min_damping, self.max_damping = float(min_damping), float(max_damping)
+        self.weight_decay = float(weight_decay)
+        self._lr, self._momentum = lr, momentum
+        self.damping = float(damping)
+        self.steps = 0
+        self.last: dict[str, float] = {}
+        self._generator = torch.Generator().manual_seed(seed)
+        self._model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        defaults = {
+            "lr": math.nan if self.adaptive_lr or callable(lr) else float(lr),  # type: ignore[arg-type]
+            "momentum": (
+                math.nan if self.adaptive_momentum or callable(momentum) else float(momentum)  # type: ignore[arg-type]
+            ),
+            "weight_decay": self.weight_decay,
+        }
+        super().__init__(params, defaults)
+        adaptive = self.adaptive_lr
+        if adaptive and preconditioner.get("kl_clip") is not None:
+            raise ValueError("kl_clip is for fixed lr; the quadratic model bounds the step")
+        preconditioner.setdefault("kl_clip", None if adaptive else 0.001)
+        preconditioner.setdefault("compute_eigenvalue_outer_product", not adaptive_damping)
+        for reserved in ("damping", "lr", "grad_scaler"):
+            if reserved in preconditioner:
+                raise ValueError(f"{reserved} is set by KFAC, not a preconditioner argument")
+        self.preconditioner = KFACPreconditioner(
+            model,
+            damping=lambda _step: self.damping,
+            # the KL clip (fixed mode only) bounds the step at the optimizer's current lr
+            lr=lambda _step: 1.0 if self.adaptive_lr else self._current("lr"),
+            grad_scaler=self._fisher_scale if self.curvature is Curvature.MC else None,
+            **preconditioner,
+        )
+        self._scale = 1.0
+
+    # ------------------------------------------------------------------ helpers
+    def _current(self, name: str) -> float:
+        """The fixed ``lr``/``momentum`` of this step.
+
+        A callable's value, else the param group's (which LR schedulers may change).
+        """
+        schedule = self._lr if name == "lr" else self._momentum
+        if callable(schedule):
+            value = float(schedule(self.steps))
+            for group in self.param_groups:
+                group[name] = value
+        value = float(self.param_groups[0][name])
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} at step {self.steps} is {value}, not a number >= 0")
+        return value
+
+    def _fisher_scale(self) -> float:
+        return self._scale
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _allreduce(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks of a few float64 scalars (identity on one rank)."""
+        comm = self.preconditioner.communicator
+        if comm.world_size == 1:
+            return values
+        return comm.allreduce_mean(values.cpu(), kind="control").wait().to(values.device)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Closure | None = None) -> torch.Tensor | None:  # type: ignore[override]
+        """One K-FAC step.
+
+        Args:
+            closure: Returns ``(outputs, targets)`` from a fresh forward pass of the
+                model on the current batch (needed for ``'mc'`` curvature and the adaptive
+                modes). Without it, call ``loss.backward()`` first.
+
+        Returns:
+            The loss (detached) when a closure is given, else ``None``.
+        """
+        pre = self.preconditioner
+        factor_step = pre.steps % pre.factor_update_steps == 0
+        if closure is None:
+            if self.adaptive_lr or self.curvature is Curvature.MC:
+                raise ValueError(
+                    "KFAC.step() needs a closure returning (outputs, targets) for "
+                    "curvature='mc' or lr='adaptive'"
+                )
+            outputs = loss = None
+        else:
+            with torch.enable_grad():
+                outputs, targets = closure()
+                loss = self.loss(outputs, targets)
+                keep = self.adaptive_lr
+                params = self._params()
+                for p in params:
+                    p.grad = None
+                if self.curvature is Curvature.MC and factor_step and outputs.requires_grad:
+                    self._scale = math.sqrt(
+                        self.loss.scale(outputs) / self.loss.examples(outputs)
+                    )
+                    with pre.recording_g(True, passes=self.mc_samples):
+                        for _ in range(self.mc_samples):
+                            sampled = self.loss(
+                                outputs, self.loss.sample_targets(outputs, self._generator)
+                            )
+                            torch.autograd.grad(sampled, params, retain_graph=True,
+                                                allow_unused=True)
+                    with pre.recording_g(False):
+                        torch.autograd.backward(loss, retain_graph=keep)
+                else:
+                    torch.autograd.backward(loss, retain_graph=keep)
+        params = self._params()
+        if self.adaptive_lr:
+            grads = [_grad(p) for p in params]
+            if self.weight_decay:
+                for p, g in zip(params, grads, strict=True):
+                    g.add_(p, alpha=self.weight_decay)
+            raw = [g.clone() for g in grads]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            pre.step()
+            directions = [_grad(p) for p in params]
+            assert outputs is not None and loss is not None
+            self._adaptive_update(params, raw, directions, outputs, loss, closure)
+        else:
+            pre.step()
+            self._sgd_update(params)
+        self.steps += 1
+        return None if loss is None else loss.detach()
+
+    def _sgd_update(self, params: list[torch.Tensor]) -> None:
+        """``torch.optim.SGD`` (momentum, weight decay after preconditioning), exactly."""
+        lr, momentum = self._current("lr"), self._current("momentum")
+        for p in params:
+            if p.grad is None:
+                continue
+            d_p = p.grad
+            if self.weight_decay:
+                d_p = d_p.add(p, alpha=self.weight_decay)
+            if momentum:
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = torch.clone(d_p).detach()
+                    state["momentum_buffer"] = buf
+                else:
+                    buf.mul_(momentum).add_(d_p)
+                d_p = buf
+            p.add_(d_p, alpha=-lr)
+        self.last = {"lr": lr, "momentum": momentum, "damping": self.damping}
+
+    def quadratic_model(
+        self,
+        outputs: torch.Tensor,
+        params: list[torch.Tensor],
+        raw: list[torch.Tensor],
+        vectors: list[list[torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Q_ij = v_i.(C + (lambda + wd) I) v_j`` and ``b_i = g.v_i`` (float64).
+
+        ``C`` is the Gauss-Newton matrix of the loss on the batch behind ``outputs``.
+        """
+        with torch.enable_grad():
+            jvs = _jacobian_vector_products(outputs, params, vectors, self.preconditioner)
+        k = len(vectors)
+        quad = torch.zeros(k, k, dtype=torch.float64, device=outputs.device)
+        lin = torch.zeros(k, dtype=torch.float64, device=outputs.device)
+        reg = self.damping + self.weight_decay
+        for i in range(k):
+            lin[i] = _dot(raw, vectors[i])
+            for j in range(i, k):
+                value = self.loss.gauss_newton(outputs, jvs[i], jvs[j])
+                value = value + reg * _dot(vectors[i], vectors[j])
+                quad[i, j] = quad[j, i] = value
+        return quad, lin
+
+    def _adaptive_update(
+        self,
+        params: list[torch.Tensor],
+        raw: list[torch.Tensor],
+        directions: list[torch.Tensor],
+        outputs: torch.Tensor,
+        loss: torch.Tensor,
+        closure: Closure | None,
+    ) -> None:
+        velocity = [self.state[p].get("velocity") for p in params]
+        with_momentum = self.adaptive_momentum and all(v is not None for v in velocity)
+        vectors = [directions]
+        if with_momentum:
+            vectors.append([v for v in velocity if v is not None])
+        quad, lin = self.quadratic_model(outputs, params, raw, vectors)
+        reduced = self._allreduce(torch.cat([quad.flatten(), lin, loss.detach().double()[None]]))
+        k = len(vectors)
+        quad, lin = reduced[: k * k].view(k, k), reduced[k * k : k * k + k]
+        loss_before = float(reduced[-1])
+        coeffs = _solve(quad, lin)
+        if coeffs is None and k > 1:  # momentum collinear with the direction: drop it
+            k, vectors = 1, vectors[:1]
+            quad, lin = quad[:1, :1], lin[:1]
+            coeffs = _solve(quad, lin)
+        if coeffs is None:  # degenerate model: take no step this time
+            coeffs = torch.zeros(k, dtype=torch.float64)
+        alpha = float(coeffs[0])
+        mu = float(coeffs[1]) if k > 1 else 0.0
+        predicted = float(0.5 * coeffs @ quad @ coeffs + lin @ coeffs)
+        new_velocity = []
+        for i, p in enumerate(params):
+            step = directions[i].mul(alpha)
+            if k > 1:
+                step.add_(vectors[1][i], alpha=mu)
+            p.add_(step)
+            self.state[p]["velocity"] = step
+            new_velocity.append(step)
+        for group in self.param_groups:
+            group["lr"], group["momentum"] = -alpha, mu
+        self.last = {"lr": -alpha, "momentum": mu, "damping": self.damping,
+                     "predicted_change": predicted, "loss": loss_before}
+        adapt = self.adaptive_damping and self.steps % self.damping_interval == 0
+        if adapt and closure is not None:
+            with torch.no_grad():
+                after_outputs, after_targets = closure()
+                after = self.loss(after_outputs, after_targets).detach().double()
+            loss_after = float(self._allreduce(after[None])[0])
+            rho = (loss_after - loss_before) / predicted if predicted < 0 else -math.inf
+            self.damping = lm_damping(self.damping, rho, self.omega, self.min_damping,
+                                      self.max_damping)
+            self.last["rho"] = rho
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state plus the preconditioner's, the damping and the sampler."""
+        state = super().state_dict()
+        state["kaisa"] = {
+            "preconditioner": self.preconditioner.state_dict(),
+            "damping": self.damping,
+            "steps": self.steps,
+            "generator": self._generator.get_state(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` output (bit-exact resume)."""
+        extra = dict(state_dict)["kaisa"]
+        rest = {k: v for k, v in state_dict.items() if k != "kaisa"}
+        super().load_state_dict(rest)
+        self.preconditioner.load_state_dict(extra["preconditioner"])
+        self.damping = float(extra["damping"])
+        self.steps = int(extra["steps"])
+        self._generator.set_state(extra["generator"])
+
+
+def lm_damping(damping: float, rho: float, omega: float, low: float, high: float) -> float:
+    """The Levenberg-Marquardt rule: shrink when the model fits, grow when it does not.
+
+    Args:
+        damping: The current damping.
+        rho: Actual over predicted loss change.
+        omega: The factor (< 1).
+        low: Lower bound.
+        high: Upper bound.
+
+    Returns:
+        ``damping * omega`` if ``rho > 3/4``, ``damping / omega`` if ``rho < 1/4``
+        (also for a non-finite ``rho``), else ``damping``; clamped to ``[low, high]``.
+    """
+    if not math.isfinite(rho) or rho < 0.25:
+        damping = damping / omega
+    elif rho > 0.75:
+        damping = damping * omega
+    return min(high, max(low, damping))
+
+
+def _solve(quad: torch.Tensor, lin: torch.Tensor) -> torch.Tensor | None:
+    """Minimiser ``-Q^-1 b`` of ``1/2 c.Q c + b.c``; ``None`` if ``Q`` is not positive."""
+    if not bool(torch.isfinite(quad).all() and torch.isfinite(lin).all()):
+        return None
+    eigenvalues = torch.linalg.eigvalsh(quad)
+    if not bool(eigenvalues.min() > 0):
+        return None
+    solution: torch.Tensor = -torch.linalg.solve(quad, lin)
+    return solution
+
+
+def _jacobian_vector_products(
+    outputs: torch.Tensor,
+    params: list[torch.Tensor],
+    vectors: list[list[torch.Tensor]],
+    pre: KFACPreconditioner,
+) -> list[torch.Tensor]:
+    """``J v`` for each vector (over ``params``) by the double-backward trick."""
+    dummy = torch.zeros_like(outputs, requires_grad=True)
+    with pre.recording_g(False):
+        transposed = torch.autograd.grad(
+            outputs, params, grad_outputs=dummy, create_graph=True, allow_unused=True
+        )
+        out = []
+        for v in vectors:
+            total = sum(
+                ((t * vi).sum() for t, vi in zip(transposed, v, strict=True) if t is not None),
+                start=torch.zeros((), dtype=outputs.dtype, device=outputs.device),
+            )
+            (jv,) = torch.autograd.grad(total, dummy, retain_graph=True)
+            out.append(jv.detach())
+    return out
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _dot(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> torch.Tensor:
+    return sum(
+        ((x.double() * y.double()).sum() for x, y in zip(a, b, strict=True)),
+        start=torch.zeros((), dtype=torch.float64),
+    )
+
+
+def _is_adaptive(name: str, value: object) -> bool:
+    if isinstance(value, str):
+        if value.strip().lower() != ADAPTIVE:
+            raise ValueError(f"{name} must be a number, a callable or 'adaptive', got {value!r}")
+        return True
+    if callable(value):
+        return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+        value
+    ) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, a callable or 'adaptive', got {value!r}")
+    return False
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
