@@ -152,18 +152,26 @@ def _existing_run_files(run_dir: Path) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
-def _prepare_run_dir(options: argparse.Namespace, run_dir: Path, is_main: bool) -> None:
-    """Refuses to replace a previous run unless ``--overwrite``; then clears its files."""
-    if options.resume:
-        return
-    existing = _existing_run_files(run_dir)
-    if existing and not options.overwrite:
-        names = ", ".join(f.name for f in existing[:4])
+def _prepare_run_dir(
+    options: argparse.Namespace, run_dir: Path, context: distributed.DistContext
+) -> None:
+    """Refuses to replace a previous run unless ``--overwrite``; then clears its files.
+
+    Every rank looks before any rank writes, and they agree (one all-reduce), so a fast
+    rank 0 creating the new run's files never makes a slower rank refuse it.
+    """
+    existing = [] if options.resume else _existing_run_files(run_dir)
+    refuse = bool(existing) and not options.overwrite
+    flag = torch.tensor([1.0 if refuse else 0.0], dtype=torch.float64)
+    if context.enabled:
+        flag = flag.to(context.device)
+    if float(distributed.all_reduce_sum(flag, context)[0]) > 0:
+        names = ", ".join(f.name for f in existing[:4]) or "see rank 0"
         raise UsageError(
             f"{run_dir} already holds a run ({names}); pass --resume to continue it or "
             "--overwrite to replace it"
         )
-    if is_main:
+    if context.is_main:
         for f in existing:
             f.unlink()
 
@@ -209,7 +217,7 @@ def _run(
     for config in configs:
         _check(config, data)
     run_dir = Path(options.run_dir) / options.name
-    _prepare_run_dir(options, run_dir, context.is_main)
+    _prepare_run_dir(options, run_dir, context)
     states = _resume_states(specs, configs, data, run_dir, context)  # nothing written yet
     metric = report.target_metric(options.task, options.eval_train)
     metrics = report.MetricsFile(path=run_dir / "metrics.jsonl") if context.is_main else None
