@@ -5,9 +5,11 @@ One step (Martens & Grosse 2015; kfac-jax's adaptive optimizer), on the engine o
 
 1. **Curvature.** The forward records A factors. With ``curvature='mc'`` the G factors
    come from a backward pass of the loss at targets sampled from the model's predictive
-   distribution (``mc_samples`` passes), scaled so ``A (x) G`` approximates the Fisher of
-   the declared loss; with ``'empirical'`` from the true loss's backward pass (kfac-pytorch's
-   convention, unscaled).
+   distribution (``mc_samples`` passes); with ``'empirical'`` from the true loss's
+   backward pass. They are scaled so ``A (x) G`` approximates the Fisher of the declared
+   loss (then ranks' factors average to the global batch's), except in the fixed-lr
+   empirical mode, which keeps kfac-pytorch's convention (and equals
+   ``KFACPreconditioner`` + SGD).
 2. **Direction.** The true loss's gradient ``g`` (plus ``weight_decay * theta``) is
    preconditioned: ``Delta = (A (x) G + lambda I)^-1 g`` per registered layer, ``g`` itself
    elsewhere.
@@ -158,12 +160,16 @@ class KFAC(torch.optim.Optimizer):
         for reserved in ("damping", "lr", "grad_scaler"):
             if reserved in preconditioner:
                 raise ValueError(f"{reserved} is set by KFAC, not a preconditioner argument")
+        # Curvature scaled to the Fisher of the declared loss (so ranks' factors average to
+        # the global batch's) for sampled targets and the adaptive mode; the fixed
+        # empirical mode keeps kfac-pytorch's convention (= KFACPreconditioner).
+        self._proper_scale = self.curvature is Curvature.MC or self.adaptive_lr
         self.preconditioner = KFACPreconditioner(
             model,
             damping=lambda _step: self.damping,
             # the KL clip (fixed mode only) bounds the step at the optimizer's current lr
             lr=lambda _step: 1.0 if self.adaptive_lr else self._current("lr"),
-            grad_scaler=self._fisher_scale if self.curvature is Curvature.MC else None,
+            grad_scaler=self._fisher_scale if self._proper_scale else None,
             **preconditioner,
         )
         self._scale = 1.0
@@ -227,10 +233,11 @@ class KFAC(torch.optim.Optimizer):
                 params = self._params()
                 for p in params:
                     p.grad = None
-                if self.curvature is Curvature.MC and factor_step and outputs.requires_grad:
+                if self._proper_scale:
                     self._scale = math.sqrt(
                         self.loss.scale(outputs) / self.loss.examples(outputs)
                     )
+                if self.curvature is Curvature.MC and factor_step and outputs.requires_grad:
                     with pre.recording_g(True, passes=self.mc_samples):
                         for _ in range(self.mc_samples):
                             sampled = self.loss(

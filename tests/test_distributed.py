@@ -343,3 +343,49 @@ def test_collective_timeout_argument_bounds_a_hung_peer() -> None:
     assert "did not complete" in err and "timeout 0:00:02" in err and "ranks [0, 1]" in err, err
     waited = float(err.split("[after ")[1].split("s]")[0])
     assert waited < 2.0 + 5.0, err
+
+
+# ----------------------------------------------------------------------------- kaisa.KFAC
+
+
+def _kfac_train(strategy: str, world: int, rank: int | None) -> list[torch.Tensor]:
+    """Adaptive KFAC (lr, momentum, damping) on a global batch split over ``world`` ranks."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)).double()
+    net: nn.Module = DistributedDataParallel(model) if rank is not None else model
+    opt = kaisa.KFAC(
+        model, loss="cross_entropy", curvature="empirical", damping=0.01, damping_interval=2,
+        inv_update_steps=2, inv_dtype=torch.float64, grad_worker_fraction=strategy,
+    )
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        x = torch.randn(8 * world, 6, generator=g)
+        y = torch.randint(0, 5, (8 * world,), generator=g)
+        if rank is not None:
+            x, y = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+        opt.step(lambda x=x, y=y: (net(x), y))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _kfac_job(rank: int, world: int, strategies: list[str]) -> list[list[torch.Tensor]]:
+    return [_kfac_train(s, world, rank) for s in strategies]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_adaptive_kfac_every_strategy_equals_one_process(world: int) -> None:
+    strategies = list(STRATEGIES if world > 2 else ("comm_opt", "mem_opt"))
+    results = run_distributed(_kfac_job, world, strategies, timeout=280)
+    old = torch.get_default_dtype()
+    try:
+        reference = _kfac_train("comm_opt", world, None)
+    finally:
+        torch.set_default_dtype(old)
+    for i, strategy in enumerate(strategies):
+        for r in range(world):
+            for p0, p in zip(results[0][i], results[r][i], strict=True):
+                assert torch.equal(p, p0), f"rank {r} differs from rank 0 ({strategy})"
+        for p, q in zip(results[0][i], reference, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-8, atol=1e-10, msg=f"vs one process {strategy}")
