@@ -312,3 +312,29 @@ def test_kfac_memory_and_largest_factors_are_printed(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "K-FAC: 8 layers, modelled memory per rank" in out and "largest factors: " in out
+
+
+# --- kaisa.KFAC in the app ----------------------------------------------------------------
+
+
+def test_kfac_optimizer_compares_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    common = ["--no-plot", "--compare", "adamw,kfac"]
+    assert main(_args(tmp_path, *common, "--name", "split", "--epochs", "2")) == 0
+    assert main(_args(tmp_path, *common, "--name", "split", "--epochs", "3", "--resume")) == 0
+    assert main(_args(tmp_path, *common, "--name", "whole", "--epochs", "3")) == 0
+    split = torch.load(tmp_path / "split" / "checkpoint-kfac.pt", weights_only=True)
+    whole = torch.load(tmp_path / "whole" / "checkpoint-kfac.pt", weights_only=True)
+    for key, value in whole["model"].items():
+        assert torch.equal(split["model"][key], value), key
+    records = [r for r in _records(tmp_path / "whole" / "metrics.jsonl") if r["config"] == "kfac"]
+    assert [r["epoch"] for r in records] == [0, 1, 2, 3]
+    assert records[-1]["lr"] > 0 and set(records[-1]["kfac"]) >= {"factors", "decompositions"}
+    assert records[-1]["train_mse"] < records[0]["train_mse"]
+
+
+def test_kfac_optimizer_cannot_take_a_preconditioner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(_args(tmp_path, "--compare", "kfac+kfac"))
+    assert "OPTIMIZER[+kfac]" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from kaisa.train.data import (
     load_digits,
     make_synthetic,
 )
-from kaisa.train.optim import build_optimizer, build_preconditioner
+from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner
 from kaisa.train.options import build_parser
 from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, train
 
@@ -92,9 +92,14 @@ def _check(config: argparse.Namespace, data: Dataset) -> None:
         input_dim=data.input_dim,
     )
     try:
-        optimizer = build_optimizer(model.parameters(), config)
-        if config.kfac:
-            build_preconditioner(model, config, optimizer)
+        if config.optimizer == "kfac":
+            if config.accumulation_steps != 1:
+                raise ValueError("optimizer kfac does not support --accumulation-steps > 1")
+            build_kfac(model, config).preconditioner.remove_hooks()
+        else:
+            optimizer = build_optimizer(model.parameters(), config)
+            if config.kfac:
+                build_preconditioner(model, config, optimizer).remove_hooks()
     except (ValueError, TypeError) as error:
         raise UsageError(f"configuration {config.label!r}: {error}") from error
 

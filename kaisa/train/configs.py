@@ -46,6 +46,18 @@ TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
         "kfac_inv_update_steps": 20,
     },
     ("classify", "adamw", True): {"lr": 1e-3, "kfac_damping": 0.1},  # not tuned
+    # kaisa.KFAC: lr and momentum are adaptive; these are its curvature settings.
+    ("autoencode", "kfac", False): {
+        "kfac_damping": 1e-3,
+        "kfac_factor_update_steps": 1,
+        "kfac_inv_update_steps": 5,
+    },
+    ("classify", "kfac", False): {
+        "kfac_damping": 1e-3,
+        "kfac_factor_update_steps": 1,
+        "kfac_inv_update_steps": 5,
+    },
+    (None, "kfac", False): {"kfac_damping": 1e-3, "kfac_inv_update_steps": 5},
     (None, "sgd", False): {"lr": 0.1},
     (None, "adamw", False): {"lr": 1e-3},
     (None, "sgd", True): {"lr": 0.1},
@@ -101,7 +113,7 @@ def parse_spec(text: str, parser: argparse.ArgumentParser) -> RunSpec:
     """
     base, *items = text.strip().split("@")
     optimizer, plus, suffix = base.partition("+")
-    if optimizer not in OPTIMIZERS or (plus and suffix != "kfac"):
+    if optimizer not in OPTIMIZERS or (plus and (suffix != "kfac" or optimizer == "kfac")):
         raise ValueError(
             f"invalid configuration {text!r}: expected OPTIMIZER[+kfac][@key=value...] "
             f"with OPTIMIZER one of {', '.join(OPTIMIZERS)}"

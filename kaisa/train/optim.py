@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "kfac")
+"""``kfac`` is :class:`kaisa.KFAC` (adaptive lr, momentum and damping); ``sgd+kfac`` is SGD
+with :class:`kaisa.KFACPreconditioner`."""
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 STRATEGIES: tuple[str, ...] = ("comm_opt", "mem_opt", "hybrid_opt")
 DTYPES: dict[str, torch.dtype | None] = {
@@ -20,6 +22,38 @@ DTYPES: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+def build_kfac(model: nn.Module, options: argparse.Namespace) -> Any:
+    """The adaptive :class:`kaisa.KFAC` optimizer from the ``--kfac-*`` options."""
+    import kaisa
+
+    skip = [name for name in options.kfac_skip_layers.split(",") if name] or None
+    return kaisa.KFAC(
+        model,
+        loss="mse" if options.task == "autoencode" else "cross_entropy",
+        curvature=options.kfac_curvature,
+        damping=options.kfac_damping,
+        min_damping=options.kfac_min_damping,
+        adaptive_damping=options.kfac_adaptive_damping,
+        weight_decay=options.weight_decay,
+        seed=options.seed,
+        factor_update_steps=options.kfac_factor_update_steps,
+        inv_update_steps=options.kfac_inv_update_steps,
+        factor_decay=options.kfac_factor_decay,
+        allreduce_bucket_cap_mb=options.kfac_bucket_cap_mb,
+        assignment_strategy=options.kfac_assignment_strategy,
+        colocate_factors=options.kfac_colocate_factors,
+        compute_method=options.kfac_compute_method,
+        grad_worker_fraction=options.kfac_grad_worker_fraction,
+        memory_budget_mb=options.kfac_memory_budget_mb,
+        symmetry_aware=options.kfac_symmetry_aware,
+        factor_dtype=DTYPES[options.kfac_factor_dtype],
+        inv_dtype=DTYPES[options.kfac_inv_dtype] or torch.float32,
+        skip_layers=skip,
+        loglevel=getattr(logging, options.kfac_loglevel),
+        collective_timeout=options.kfac_collective_timeout,
+    )
 
 
 def build_optimizer(params: Any, options: argparse.Namespace) -> torch.optim.Optimizer:

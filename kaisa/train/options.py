@@ -154,6 +154,25 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         "process group's timeout)",
     )
     group.add_argument(
+        "--kfac-curvature",
+        choices=("mc", "empirical"),
+        default="mc",
+        help="optimizer kfac: G from sampled targets (mc) or the true loss (default: mc)",
+    )
+    group.add_argument(
+        "--kfac-min-damping",
+        type=float,
+        default=1e-8,
+        metavar="X",
+        help="optimizer kfac: lower bound of the adaptive damping (default: %(default)s)",
+    )
+    group.add_argument(
+        "--kfac-adaptive-damping",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="optimizer kfac: Levenberg-Marquardt damping (default: on)",
+    )
+    group.add_argument(
         "--kfac-update-factors-in-hook",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -269,7 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group = parser.add_argument_group("optimisation")
     add = group.add_argument
-    add("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimiser (default: %(default)s)")
+    add(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="optimiser; kfac is kaisa.KFAC: K-FAC with adaptive lr, momentum and damping "
+        "(default: %(default)s)",
+    )
     add("--lr", type=float, default=None, help="base learning rate (default: tuned)")
     add("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
     add(

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from kaisa.train import checkpoint
 from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
 from kaisa.train.distributed import DistContext, all_reduce_sum
-from kaisa.train.optim import build_optimizer, build_preconditioner, build_scheduler
+from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner, build_scheduler
 
 Record = dict[str, Any]
 
@@ -163,7 +163,15 @@ class Trainer:
         self.model = build(options, data, context)
         self.result = RunResult(label=options.label, init_checksum=fingerprint(self.model))
         self.net: nn.Module = DistributedDataParallel(self.model) if context.enabled else self.model
-        self.optimizer = build_optimizer(self.model.parameters(), options)
+        #: kaisa.KFAC (``--optimizer kfac``): adaptive lr/momentum, its own preconditioner.
+        self.kfac_optimizer = options.optimizer == "kfac"
+        if self.kfac_optimizer and options.accumulation_steps != 1:
+            raise ValueError("optimizer kfac does not support --accumulation-steps > 1")
+        self.optimizer: Any = (
+            build_kfac(self.model, options)
+            if self.kfac_optimizer
+            else build_optimizer(self.model.parameters(), options)
+        )
         self.sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
             TensorDataset(data.train_x),
             num_replicas=context.world_size,
@@ -173,10 +181,17 @@ class Trainer:
         )
         self.micro_batches = math.ceil(len(self.sampler) / options.batch_size)
         steps_per_epoch = math.ceil(self.micro_batches / options.accumulation_steps)
-        self.scheduler = build_scheduler(self.optimizer, options, steps_per_epoch)
-        self.pre = (
+        # kaisa.KFAC chooses its own step size: no learning-rate schedule.
+        self.scheduler = (
+            None
+            if self.kfac_optimizer
+            else build_scheduler(self.optimizer, options, steps_per_epoch)
+        )
+        self.pre: Any = (
             build_preconditioner(self.model, options, self.optimizer) if options.kfac else None
         )
+        if self.kfac_optimizer:
+            self.pre = cast(Any, self.optimizer).preconditioner
         if self.pre is not None and context.is_main and not options.quiet:
             print(kfac_summary(options.label, self.pre), flush=True)
         self.kfac_offset: dict[str, float] = {}
@@ -186,9 +201,10 @@ class Trainer:
     def resume(self, state: dict[str, Any]) -> None:
         """Restore everything from a checked checkpoint; replay its history to ``on_record``."""
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.pre is not None:
+        self.optimizer.load_state_dict(state["optimizer"])  # KFAC: also its preconditioner
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.pre is not None and not self.kfac_optimizer:
             self.pre.load_state_dict(state["preconditioner"])
         checkpoint.set_rng_state(state["rng"])
         result = self.result
@@ -211,9 +227,13 @@ class Trainer:
             "history": result.history,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(),
-            "preconditioner": self.pre.state_dict() if self.pre is not None else None,
+            "preconditioner": (
+                self.pre.state_dict()
+                if self.pre is not None and not self.kfac_optimizer
+                else None
+            ),
         }
         if self.context.is_main:
             checkpoint.save(self.checkpoint_path, state)
@@ -239,7 +259,7 @@ class Trainer:
             "step": result.steps,
             "time": result.train_time,
             "wall": 0.0,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self._lr(),
         }
         record |= running
         if partial:
@@ -253,6 +273,26 @@ class Trainer:
         result.history.append(record)
         self.on_record(record)
 
+    def _lr(self) -> float:
+        """The learning rate of the last step (KFAC: the quadratic model's choice)."""
+        if self.kfac_optimizer:
+            return float(self.optimizer.last.get("lr", math.nan))
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _kfac_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """One kaisa.KFAC step; returns the loss and the outputs of its forward pass."""
+        seen: list[torch.Tensor] = []
+
+        def closure() -> tuple[torch.Tensor, torch.Tensor]:
+            out = self.net(x)
+            if not seen:
+                seen.append(out.detach())
+            return out, x.flatten(1) if self.options.task == "autoencode" else y
+
+        loss = self.optimizer.step(closure)
+        self.result.steps += 1
+        return loss, seen[0]
+
     def _step(self, x: torch.Tensor, y: torch.Tensor, last_micro: bool) -> torch.Tensor:
         """Forward/backward one micro-batch; precondition and step after the last one.
 
@@ -260,19 +300,23 @@ class Trainer:
             ``[loss, loss * n, correct, n]`` in float64 on the CPU (``correct`` is 0
             for autoencode).
         """
-        sync = contextlib.nullcontext()
-        if self.context.enabled and not last_micro:
-            sync = self.net.no_sync()  # type: ignore[operator]
-        with sync:
-            output = self.net(x)
-            loss = loss_fn(self.options.task, output, x, y)
-            (loss / self.options.accumulation_steps).backward()
+        if self.kfac_optimizer:
+            loss, output = self._kfac_step(x, y)
+        else:
+            sync = contextlib.nullcontext()
+            if self.context.enabled and not last_micro:
+                sync = self.net.no_sync()  # type: ignore[operator]
+            with sync:
+                output = self.net(x)
+                loss = loss_fn(self.options.task, output, x, y)
+                (loss / self.options.accumulation_steps).backward()
         correct = (output.detach().argmax(1) == y).sum() if self.options.task == "classify" else 0
-        if last_micro:
+        if last_micro and not self.kfac_optimizer:
             if self.pre is not None:
                 self.pre.step()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            assert self.scheduler is not None
             self.scheduler.step()
             self.result.steps += 1
         value = loss.detach().double().cpu()
