@@ -1,4 +1,4 @@
-"""Convergence benchmark on digits: SGD vs AdamW vs SGD+K-FAC (kaisa).
+"""Convergence benchmark on digits: SGD vs AdamW vs SGD+K-FAC vs kaisa.KFAC.
 
 Two tasks, each run through ``kaisa-train`` in-process (``--compare``, so every
 configuration of a grid shares initial weights and data order):
@@ -51,11 +51,13 @@ def grids(quick: bool) -> dict[str, dict[str, list[str]]]:
                 "sgd": ["sgd@lr=1.0"],
                 "adamw": ["adamw@lr=0.003"],
                 "sgd+kfac": ["sgd+kfac@lr=0.3@damping=0.03"],
+                "kfac": ["kfac"],
             },
             "classify": {
                 "sgd": ["sgd@lr=0.1"],
                 "adamw": ["adamw@lr=0.01"],
                 "sgd+kfac": ["sgd+kfac@lr=0.3@damping=0.1"],
+                "kfac": ["kfac"],
             },
         }
     kfac_ae = [  # factors every step, inverses every 10 steps (the reference protocol)
@@ -80,6 +82,13 @@ def grids(quick: bool) -> dict[str, dict[str, list[str]]]:
                 f"sgd+kfac@lr=0.3@damping=0.03{amortised}",
                 "sgd+kfac@lr=0.3@damping=0.03@factor-update-steps=10@inv-update-steps=50",
             ],
+            # kaisa.KFAC: adaptive lr/momentum/damping; the grid is its curvature settings
+            "kfac": [
+                "kfac",  # damping 1e-3, min 1e-8, factors every step, inverses every 5
+                "kfac@inv-update-steps=1",
+                "kfac@curvature=empirical",
+                "kfac@min-damping=0.00001",
+            ],
         },
         "classify": {
             "sgd": [f"sgd@lr={lr}" for lr in (0.03, 0.1, 0.2)],
@@ -91,6 +100,7 @@ def grids(quick: bool) -> dict[str, dict[str, list[str]]]:
                 "sgd+kfac@lr=1.0@damping=0.3",
             ],
             "sgd+kfac-amortised": [f"sgd+kfac@lr=0.3@damping=0.1{amortised}"],
+            "kfac": ["kfac", "kfac@damping=0.01", "kfac@inv-update-steps=1"],
         },
     }
 

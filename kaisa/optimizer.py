@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -141,6 +142,10 @@ class KFAC(torch.optim.Optimizer):
         self.damping = float(damping)
         self.steps = 0
         self.last: dict[str, float] = {}
+        #: Host seconds by phase of :meth:`step` (the preconditioner's own phases are in
+        #: ``preconditioner.timings``).
+        self.timings = dict.fromkeys(("loss_and_grad", "precondition", "quadratic_model",
+                                      "damping", "update"), 0.0)
         self._generator = torch.Generator().manual_seed(seed)
         self._model = model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -226,6 +231,7 @@ class KFAC(torch.optim.Optimizer):
                 )
             outputs = loss = None
         else:
+            start = time.perf_counter()
             with torch.enable_grad():
                 outputs, targets = closure()
                 loss = self.loss(outputs, targets)
@@ -249,7 +255,9 @@ class KFAC(torch.optim.Optimizer):
                         torch.autograd.backward(loss, retain_graph=keep)
                 else:
                     torch.autograd.backward(loss, retain_graph=keep)
+            self.timings["loss_and_grad"] += time.perf_counter() - start
         params = self._params()
+        start = time.perf_counter()
         if self.adaptive_lr:
             grads = [_grad(p) for p in params]
             if self.weight_decay:
@@ -259,12 +267,16 @@ class KFAC(torch.optim.Optimizer):
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
             pre.step()
+            self.timings["precondition"] += time.perf_counter() - start
             directions = [_grad(p) for p in params]
             assert outputs is not None and loss is not None
             self._adaptive_update(params, raw, directions, outputs, loss, closure)
         else:
             pre.step()
+            self.timings["precondition"] += time.perf_counter() - start
+            start = time.perf_counter()
             self._sgd_update(params)
+            self.timings["update"] += time.perf_counter() - start
         self.steps += 1
         return None if loss is None else loss.detach()
 
@@ -328,6 +340,7 @@ class KFAC(torch.optim.Optimizer):
         vectors = [directions]
         if with_momentum:
             vectors.append([v for v in velocity if v is not None])
+        start = time.perf_counter()
         quad, lin = self.quadratic_model(outputs, params, raw, vectors)
         reduced = self._allreduce(torch.cat([quad.flatten(), lin, loss.detach().double()[None]]))
         k = len(vectors)
@@ -343,20 +356,22 @@ class KFAC(torch.optim.Optimizer):
         alpha = float(coeffs[0])
         mu = float(coeffs[1]) if k > 1 else 0.0
         predicted = float(0.5 * coeffs @ quad @ coeffs + lin @ coeffs)
-        new_velocity = []
+        self.timings["quadratic_model"] += time.perf_counter() - start
+        start = time.perf_counter()
         for i, p in enumerate(params):
             step = directions[i].mul(alpha)
             if k > 1:
                 step.add_(vectors[1][i], alpha=mu)
             p.add_(step)
             self.state[p]["velocity"] = step
-            new_velocity.append(step)
         for group in self.param_groups:
             group["lr"], group["momentum"] = -alpha, mu
+        self.timings["update"] += time.perf_counter() - start
         self.last = {"lr": -alpha, "momentum": mu, "damping": self.damping,
                      "predicted_change": predicted, "loss": loss_before}
         adapt = self.adaptive_damping and self.steps % self.damping_interval == 0
         if adapt and closure is not None:
+            start = time.perf_counter()
             with torch.no_grad():
                 after_outputs, after_targets = closure()
                 after = self.loss(after_outputs, after_targets).detach().double()
@@ -365,6 +380,7 @@ class KFAC(torch.optim.Optimizer):
             self.damping = lm_damping(self.damping, rho, self.omega, self.min_damping,
                                       self.max_damping)
             self.last["rho"] = rho
+            self.timings["damping"] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -267,6 +267,9 @@ class Trainer:
         record |= epoch_record(self.options, self.model, self.data, self.context)
         if self.pre is not None:
             timings = {k: float(v) for k, v in self.pre.timings.items()}
+            if self.kfac_optimizer:  # the optimizer's own phases (quadratic model, LM rule)
+                extra = cast(Any, self.optimizer).timings
+                timings |= {k: float(extra[k]) for k in ("quadratic_model", "damping")}
             record["kfac"] = {k: self.kfac_offset.get(k, 0.0) + v for k, v in timings.items()}
         record["seconds_per_iter"] = result.train_time / max(1, result.steps)
         record["wall"] = time.perf_counter() - self.started
