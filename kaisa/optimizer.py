@@ -235,6 +235,8 @@ class KFAC(torch.optim.Optimizer):
             with torch.enable_grad():
                 outputs, targets = closure()
                 loss = self.loss(outputs, targets)
+                if not bool(torch.isfinite(loss)):  # diverged: no update, the caller sees it
+                    return loss.detach()
                 keep = self.adaptive_lr
                 params = self._params()
                 for p in params:

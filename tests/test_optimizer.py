@@ -249,3 +249,14 @@ def test_invalid_arguments_name_them() -> None:
     opt = kaisa.KFAC(_mlp(), loss="mse")
     with pytest.raises(ValueError, match="closure"):
         opt.step()
+
+
+def test_non_finite_loss_takes_no_step_and_is_returned() -> None:
+    model = _mlp(out=3)
+    opt = kaisa.KFAC(model, loss="cross_entropy")
+    x, y = _batch(out=3, classes=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = opt.step(lambda: (model(x) * float("nan"), y))  # e.g. diverged logits
+    assert loss is not None and not torch.isfinite(loss)
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -36,6 +36,7 @@ def build_kfac(model: nn.Module, options: argparse.Namespace) -> Any:
         damping=options.kfac_damping,
         min_damping=options.kfac_min_damping,
         adaptive_damping=options.kfac_adaptive_damping,
+        damping_interval=options.kfac_damping_interval,
         weight_decay=options.weight_decay,
         seed=options.seed,
         factor_update_steps=options.kfac_factor_update_steps,

@@ -57,9 +57,9 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     add(
         "--kfac-factor-decay",
         type=float,
-        default=0.95,
+        default=None,
         metavar="X",
-        help="running-average decay of the factors (default: %(default)s)",
+        help="running-average decay of the factors (default: tuned; 0.95 = kfac-pytorch's)",
     )
     add(
         "--kfac-kl-clip",
@@ -165,6 +165,13 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         default=1e-8,
         metavar="X",
         help="optimizer kfac: lower bound of the adaptive damping (default: %(default)s)",
+    )
+    group.add_argument(
+        "--kfac-damping-interval",
+        type=int,
+        default=5,
+        metavar="N",
+        help="optimizer kfac: steps between Levenberg-Marquardt updates (default: %(default)s)",
     )
     group.add_argument(
         "--kfac-adaptive-damping",
