@@ -76,7 +76,8 @@ class KFAC(torch.optim.Optimizer):
         lr: A number, a callable of the step, or ``'adaptive'``.
         momentum: A number, a callable of the step, or ``'adaptive'``.
         damping: Initial damping ``lambda`` (> 0).
-        adaptive_damping: Adapt ``lambda`` with the Levenberg-Marquardt rule.
+        adaptive_damping: Adapt ``lambda`` with the Levenberg-Marquardt rule (with
+            ``lr='adaptive'`` only: the rule compares with the quadratic model's prediction).
         damping_interval: Steps between LM adaptations.
         damping_decay: ``omega = damping_decay ** damping_interval``.
         min_damping: Lower bound of ``lambda``.
@@ -133,7 +134,6 @@ class KFAC(torch.optim.Optimizer):
         if isinstance(weight_decay, bool) or not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         self.mc_samples = mc_samples
-        self.adaptive_damping = adaptive_damping
         self.damping_interval = damping_interval
         self.omega = damping_decay**damping_interval
         self.min_damping, self.max_damping = float(min_damping), float(max_damping)
@@ -161,7 +161,11 @@ class KFAC(torch.optim.Optimizer):
         if adaptive and preconditioner.get("kl_clip") is not None:
             raise ValueError("kl_clip is for fixed lr; the quadratic model bounds the step")
         preconditioner.setdefault("kl_clip", None if adaptive else 0.001)
-        preconditioner.setdefault("compute_eigenvalue_outer_product", not adaptive_damping)
+        # The LM rule needs the quadratic model's prediction, so damping adapts only with
+        # the adaptive lr; a changing damping is applied at each step (no stale outer
+        # product), a fixed one as KFACPreconditioner does by default.
+        self.adaptive_damping = adaptive_damping and adaptive
+        preconditioner.setdefault("compute_eigenvalue_outer_product", not self.adaptive_damping)
         for reserved in ("damping", "lr", "grad_scaler"):
             if reserved in preconditioner:
                 raise ValueError(f"{reserved} is set by KFAC, not a preconditioner argument")

@@ -39,7 +39,7 @@ def test_fixed_empirical_mode_equals_preconditioner_plus_sgd(with_closure: bool)
     pre = kaisa.KFACPreconditioner(reference, damping=0.003, lr=0.1, **kw)
     sgd = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     opt = kaisa.KFAC(model, loss="mse", curvature="empirical", lr=0.1, momentum=0.9,
-                     damping=0.003, adaptive_damping=False, **kw)
+                     damping=0.003, **kw)
     for step in range(5):
         x, y = _batch()
         x = x + step
