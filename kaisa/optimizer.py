@@ -206,11 +206,11 @@ class KFAC(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def _allreduce(self, values: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks of a few float64 scalars (identity on one rank)."""
+        """Mean over ranks of a few float64 scalars, on their device (NCCL needs CUDA)."""
         comm = self.preconditioner.communicator
         if comm.world_size == 1:
             return values
-        return comm.allreduce_mean(values.cpu(), kind="control").wait().to(values.device)
+        return comm.allreduce_mean(values, kind="control").wait()
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

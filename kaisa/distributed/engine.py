@@ -408,7 +408,8 @@ class DistributedEngine:
         Returns:
             The logical or over ranks.
         """
-        value = torch.tensor([1.0 if flag else 0.0])
+        device = next(iter(self._layers.values())).weight.device  # NCCL needs CUDA tensors
+        value = torch.tensor([1.0 if flag else 0.0], device=device)
         return bool(self._comm.allreduce_mean(value, kind="control").wait()[0] > 0)
 
     @contextmanager
