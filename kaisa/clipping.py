@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kaisa.distributed.engine import PreconditionedGradient
+from kaisa.finite import all_finite
 
 __all__ = ["write_preconditioned"]
 
@@ -30,12 +31,9 @@ def write_preconditioned(
     """
     if not pairs:
         return
-    # Finiteness from min/max (NaN/Inf propagate, no overflow: a sum of large finite
-    # entries could overflow and wrongly reject a finite P).
     checks: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     for _, g, p, valid in pairs:
-        lo, hi = torch.aminmax(p)
-        ok = torch.isfinite(lo) & torch.isfinite(hi)
+        ok = all_finite(p)
         t = None
         if kl_clip is not None:
             t = (p * g).sum(dtype=torch.float64)

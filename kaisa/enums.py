@@ -22,6 +22,9 @@ class ComputeMethod(enum.Enum):
 
     EIGEN = "eigen"
     INVERSE = "inverse"
+    #: Beyond the reference: damped inverses with factored Tikhonov damping, ``pi``-adjusted
+    #: (Martens & Grosse 2015, section 6.3; kfac-jax's default for dense layers).
+    PI_INVERSE = "pi_inverse"
 
 
 class DistributedStrategy(enum.Enum):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kaisa import ops
+from kaisa.finite import all_finite
 
 __all__ = [
     "EigenResult",
@@ -48,7 +49,7 @@ def _all_finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
     """Per-tensor finiteness with a single host synchronisation."""
     if not tensors:
         return []
-    flags = torch.stack([torch.isfinite(t).all() for t in tensors])
+    flags = torch.stack([all_finite(t) for t in tensors])
     return [bool(f) for f in flags.tolist()]
 
 
@@ -82,12 +83,8 @@ def eigen_decompositions(
         One :class:`EigenResult` (in ``inv_dtype``) or ``None`` (failed) per factor.
     """
     results: list[EigenResult | None] = [None] * len(factors)
-    groups: dict[tuple[int, torch.device], list[int]] = {}
-    for i, f in enumerate(factors):
-        if f is not None:
-            groups.setdefault((f.shape[-1], f.device), []).append(i)
     dtype = compute_dtype(inv_dtype)
-    for members in groups.values():
+    for members in _size_groups(factors).values():
         sizes = [factors[i].shape[0] for i in members]  # type: ignore[union-attr]
         batch = torch.cat([factors[i] for i in members])  # type: ignore[misc]
         res = _eigh(batch, dtype)
@@ -116,32 +113,38 @@ def eigen_decompositions(
 
 
 def _cholesky_inverse(
-    mats: torch.Tensor, damping: float, dtype: torch.dtype
+    mats: torch.Tensor, damping: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor | None:
+    """One batched attempt at ``(mats + damping I)^-1``; ``damping`` is ``(B,)``."""
     m = mats.to(dtype)
     eye = torch.eye(m.shape[-1], dtype=dtype, device=m.device)
     try:
-        chol, info = torch.linalg.cholesky_ex(m + damping * eye)
+        chol, info = torch.linalg.cholesky_ex(m + damping.to(dtype).reshape(-1, 1, 1) * eye)
         inv = torch.cholesky_inverse(chol)
     except RuntimeError as err:
         logger.debug("cholesky failed in %s: %s", dtype, err)
         return None
-    ok = torch.stack([(info == 0).all(), torch.isfinite(inv).all()]).all()
+    ok = (info == 0).all() & all_finite(inv)
     return inv if bool(ok) else None
 
 
 def damped_inverses(
     factors: Sequence[torch.Tensor | None],
     *,
-    damping: float,
+    damping: float | Sequence[float | torch.Tensor],
     inv_dtype: torch.dtype,
     names: Sequence[str] | None = None,
 ) -> list[torch.Tensor | None]:
     """``(F + damping*I)^-1`` of each factor batch via Cholesky, with the fallback ladder.
 
+    Factors of the same size are inverted in one batched call; if it fails, each factor
+    is retried alone (in float64 after the requested dtype), so one bad factor costs only
+    its own result.
+
     Args:
         factors: factor batches ``(B_i, n_i, n_i)`` (``None`` entries stay ``None``).
-        damping: added to the diagonal.
+        damping: added to the diagonal: one number for all, or per factor a number or a
+            tensor ``(B_i,)`` of one value per block.
         inv_dtype: storage dtype of the results.
         names: names for the warnings.
 
@@ -149,22 +152,48 @@ def damped_inverses(
         One inverse batch (``inv_dtype``) or ``None`` (failed) per factor.
     """
     dtype = compute_dtype(inv_dtype)
-    out: list[torch.Tensor | None] = []
+    dampings: list[torch.Tensor] = []
     for i, f in enumerate(factors):
-        if f is None:
-            out.append(None)
-            continue
-        inv = _cholesky_inverse(f, damping, dtype)
-        if inv is None and dtype != torch.float64:
-            inv = _cholesky_inverse(f, damping, torch.float64)
+        d = damping if isinstance(damping, (int, float)) else damping[i]
+        blocks = 0 if f is None else f.shape[0]
+        device = None if f is None else f.device
+        dampings.append(torch.as_tensor(d, dtype=torch.float64, device=device).expand(blocks))
+    out: list[torch.Tensor | None] = [None] * len(factors)
+    for members in _size_groups(factors).values():
+        sizes = [factors[i].shape[0] for i in members]  # type: ignore[union-attr]
+        if len(members) > 1:
+            batch = torch.cat([factors[i] for i in members])  # type: ignore[misc]
+            inv = _cholesky_inverse(batch, torch.cat([dampings[i] for i in members]), dtype)
             if inv is not None:
-                logger.warning("inverse of %s retried in float64", _name(names, i))
-        if inv is None:
-            logger.warning(
-                "inverse of %s failed; keeping the previous inverse", _name(names, i)
-            )
-        out.append(None if inv is None else inv.to(inv_dtype))
+                for i, part in zip(members, torch.split(inv.to(inv_dtype), sizes), strict=True):
+                    out[i] = part
+                continue
+        for i in members:  # alone: the requested dtype, then float64
+            f = factors[i]
+            assert f is not None
+            one = _cholesky_inverse(f, dampings[i], dtype)
+            if one is None and dtype != torch.float64:
+                one = _cholesky_inverse(f, dampings[i], torch.float64)
+                if one is not None:
+                    logger.warning("inverse of %s retried in float64", _name(names, i))
+            if one is None:
+                logger.warning(
+                    "inverse of %s failed; keeping the previous inverse", _name(names, i)
+                )
+                continue
+            out[i] = one.to(inv_dtype)
     return out
+
+
+def _size_groups(
+    factors: Sequence[torch.Tensor | None],
+) -> dict[tuple[int, torch.device], list[int]]:
+    """Indices of the factors by (size, device), ``None`` entries left out."""
+    groups: dict[tuple[int, torch.device], list[int]] = {}
+    for i, f in enumerate(factors):
+        if f is not None:
+            groups.setdefault((f.shape[-1], f.device), []).append(i)
+    return groups
 
 
 def _name(names: Sequence[str] | None, i: int) -> str:

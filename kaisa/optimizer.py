@@ -12,13 +12,17 @@ One step (Martens & Grosse 2015; kfac-jax's adaptive optimizer), on the engine o
    ``KFACPreconditioner`` + SGD).
 2. **Direction.** The true loss's gradient ``g`` (plus ``weight_decay * theta``) is
    preconditioned: ``Delta = (A (x) G + lambda I)^-1 g`` per registered layer, ``g`` itself
-   elsewhere.
+   elsewhere. The adaptive mode defaults to ``compute_method='pi_inverse'`` (kfac-jax's
+   pi-adjusted factored damping: two Cholesky inverses per layer instead of two
+   eigendecompositions), the fixed mode to ``KFACPreconditioner``'s ``'eigen'``.
 3. **Step size.** Fixed ``lr``/``momentum``: SGD with momentum on ``Delta`` (exactly
    :class:`torch.optim.SGD` after ``KFACPreconditioner.step()``). ``'adaptive'``: the
    update ``delta = alpha Delta + mu delta_prev`` minimises the local quadratic model
    ``m(d) = g.d + 1/2 d.(C + (lambda + wd) I) d``, ``C`` the exact Gauss-Newton matrix of
-   the loss on this batch (Jacobian-vector products by the double-backward trick): a
-   2 x 2 linear solve. ``lr = -alpha``, ``momentum = mu``.
+   the loss on this batch: a 2 x 2 linear solve. ``lr = -alpha``, ``momentum = mu``.
+   The Jacobian-vector products come from the double-backward trick: one backward pass
+   with ``create_graph=True`` (which is also the first Monte-Carlo sample's pass, so it
+   records G too), then one backward pass through it per vector.
 4. **Damping.** Fixed, or every ``damping_interval`` steps the Levenberg-Marquardt rule on
    ``rho = (L(theta + delta) - L(theta)) / m(delta)`` (one extra forward pass): ``lambda``
    is multiplied by ``omega = damping_decay ** damping_interval`` when ``rho > 3/4`` and
@@ -30,6 +34,18 @@ and of the LM rule are averaged over ranks, so every rank takes the same step.
 The adaptive parts need the batch: :meth:`KFAC.step` takes a closure returning
 ``(outputs, targets)`` from a fresh forward pass. Without a closure (after the user's own
 ``loss.backward()``), only fixed ``lr``/``momentum`` with ``'empirical'`` curvature work.
+Mixed precision: run the forward pass under ``torch.autocast`` (inside the closure) and
+pass a ``torch.amp.GradScaler`` as ``grad_scaler``. KFAC then owns the scaler: it scales
+every backward pass, unscales the gradients, skips the update of a step whose gradients
+overflowed (the factors of that step are skipped too) and updates the scale. Do not call
+``scaler.step``/``scaler.update`` yourself; without a closure call
+``scaler.scale(loss).backward()`` then ``opt.step()``. Losses and the quadratic model are
+computed in float32 from half-precision outputs.
+
+Cost of an adaptive step with ``'mc'`` curvature: one forward pass, the create-graph
+backward pass, the true loss's backward pass and two backward passes for ``J Delta`` and
+``J delta_prev`` (about 3x the autograd work of an SGD step), plus one forward pass every
+``damping_interval`` steps for the LM rule.
 """
 
 from __future__ import annotations
@@ -37,13 +53,15 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from kaisa.enums import parse_enum
+from kaisa.finite import all_finite
+from kaisa.hooks import loss_scale
 from kaisa.losses import Loss, LossKind, Reduction
 from kaisa.preconditioner import KFACPreconditioner
 
@@ -84,6 +102,8 @@ class KFAC(torch.optim.Optimizer):
         max_damping: Upper bound of ``lambda``.
         weight_decay: L2 coefficient, part of the objective.
         seed: Seed of the Monte-Carlo target sampler.
+        grad_scaler: A ``torch.amp.GradScaler`` for mixed precision (KFAC drives it; see
+            the module docstring), or ``None``.
         **preconditioner: Further :class:`~kaisa.KFACPreconditioner` arguments
             (``factor_update_steps``, ``inv_update_steps``, ``factor_decay``, ``kl_clip``
             for the fixed mode, ``grad_worker_fraction``, ...).
@@ -110,6 +130,7 @@ class KFAC(torch.optim.Optimizer):
         max_damping: float = 1e3,
         weight_decay: float = 0.0,
         seed: int = 0,
+        grad_scaler: Any = None,
         **preconditioner: Any,
     ) -> None:
         self.loss = Loss.of(loss, reduction)
@@ -161,12 +182,20 @@ class KFAC(torch.optim.Optimizer):
         if adaptive and preconditioner.get("kl_clip") is not None:
             raise ValueError("kl_clip is for fixed lr; the quadratic model bounds the step")
         preconditioner.setdefault("kl_clip", None if adaptive else 0.001)
+        # Adaptive mode: kfac-jax's pi-adjusted factored damping (two Cholesky inverses,
+        # a quarter of the eigendecompositions' cost); fixed mode: KFACPreconditioner's.
+        preconditioner.setdefault("compute_method", "pi_inverse" if adaptive else "eigen")
         # The LM rule needs the quadratic model's prediction, so damping adapts only with
         # the adaptive lr; a changing damping is applied at each step (no stale outer
         # product), a fixed one as KFACPreconditioner does by default.
         self.adaptive_damping = adaptive_damping and adaptive
         preconditioner.setdefault("compute_eigenvalue_outer_product", not self.adaptive_damping)
-        for reserved in ("damping", "lr", "grad_scaler"):
+        if grad_scaler is not None and not all(
+            hasattr(grad_scaler, m) for m in ("scale", "unscale_", "update", "get_scale")
+        ):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}")
+        self.grad_scaler = grad_scaler
+        for reserved in ("damping", "lr"):
             if reserved in preconditioner:
                 raise ValueError(f"{reserved} is set by KFAC, not a preconditioner argument")
         # Curvature scaled to the Fisher of the declared loss (so ranks' factors average to
@@ -178,10 +207,14 @@ class KFAC(torch.optim.Optimizer):
             damping=lambda _step: self.damping,
             # the KL clip (fixed mode only) bounds the step at the optimizer's current lr
             lr=lambda _step: 1.0 if self.adaptive_lr else self._current("lr"),
-            grad_scaler=self._fisher_scale if self._proper_scale else None,
+            grad_scaler=(
+                self._g_divisor if self._proper_scale or grad_scaler is not None else None
+            ),
             **preconditioner,
         )
         self._scale = 1.0
+        self._linearization: _Linearization | None = None
+        self._reduced_precision = False
 
     # ------------------------------------------------------------------ helpers
     def _current(self, name: str) -> float:
@@ -199,8 +232,44 @@ class KFAC(torch.optim.Optimizer):
             raise ValueError(f"{name} at step {self.steps} is {value}, not a number >= 0")
         return value
 
-    def _fisher_scale(self) -> float:
-        return self._scale
+    def _g_divisor(self) -> float | torch.Tensor:
+        """What output gradients are divided by: the Fisher scale times the loss scale."""
+        fisher = self._scale if self._proper_scale else 1.0
+        if self.grad_scaler is None:
+            return fisher
+        scale = loss_scale(self.grad_scaler)  # float32 on the scaler; the product in float64
+        return fisher * (scale.double() if isinstance(scale, torch.Tensor) else scale)
+
+    def _scaler(self) -> Any:
+        """The grad scaler when enabled, else ``None``."""
+        scaler = self.grad_scaler
+        if scaler is None or (hasattr(scaler, "is_enabled") and not scaler.is_enabled()):
+            return None
+        return scaler
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale, in ``loss``'s dtype (``scaler.scale`` would
+        round a float64 loss to float32)."""
+        scaler = self._scaler()
+        if scaler is None:
+            return loss
+        scale = scaler.scale(torch.ones((), dtype=torch.float32, device=loss.device))
+        return loss * scale.to(loss.dtype).reshape(())
+
+    def _unscale_overflowed(self, params: list[torch.Tensor]) -> bool:
+        """Unscales the gradients (with a scaler); whether any is not finite."""
+        scaler = self._scaler()
+        if scaler is None:
+            return False
+        try:
+            scaler.unscale_(self)
+        except RuntimeError as err:
+            raise ValueError(
+                "KFAC drives its grad_scaler: call opt.step() (not scaler.step(opt)) and do "
+                "not call scaler.unscale_(opt) or scaler.update()"
+            ) from err
+        grads = [p.grad for p in params if p.grad is not None]
+        return bool(grads) and not bool(torch.stack([all_finite(g) for g in grads]).all())
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -238,8 +307,12 @@ class KFAC(torch.optim.Optimizer):
             start = time.perf_counter()
             with torch.enable_grad():
                 outputs, targets = closure()
+                self._reduced_precision = outputs.dtype in _HALF
+                outputs = _full(outputs)
                 loss = self.loss(outputs, targets)
-                if not bool(torch.isfinite(loss)):  # diverged: no update, the caller sees it
+                if self._any_rank(not bool(torch.isfinite(loss))):
+                    # diverged: no update, the caller sees the loss
+                    pre.discard_step()
                     return loss.detach()
                 keep = self.adaptive_lr
                 params = self._params()
@@ -249,21 +322,36 @@ class KFAC(torch.optim.Optimizer):
                     self._scale = math.sqrt(
                         self.loss.scale(outputs) / self.loss.examples(outputs)
                     )
+                self._linearization = None
                 if self.curvature is Curvature.MC and factor_step and outputs.requires_grad:
                     with pre.recording_g(True, passes=self.mc_samples):
-                        for _ in range(self.mc_samples):
-                            sampled = self.loss(
-                                outputs, self.loss.sample_targets(outputs, self._generator)
-                            )
-                            torch.autograd.grad(sampled, params, retain_graph=True,
-                                                allow_unused=True)
+                        for sample in range(self.mc_samples):
+                            targets_mc = self.loss.sample_targets(outputs, self._generator)
+                            if sample == 0 and keep:
+                                # this pass records G and builds J^T for the quadratic model;
+                                # the seed is taken off the graph (no layer hook fires twice)
+                                free = outputs.detach().requires_grad_(True)
+                                sampled = self._scaled(self.loss(free, targets_mc))
+                                (seed,) = torch.autograd.grad(sampled, free)
+                                self._linearization = _Linearization(outputs, params, seed)
+                            else:
+                                sampled = self._scaled(self.loss(outputs, targets_mc))
+                                torch.autograd.grad(sampled, params, retain_graph=True,
+                                                    allow_unused=True)
                     with pre.recording_g(False):
-                        torch.autograd.backward(loss, retain_graph=keep)
+                        torch.autograd.backward(self._scaled(loss), retain_graph=keep)
                 else:
-                    torch.autograd.backward(loss, retain_graph=keep)
+                    torch.autograd.backward(self._scaled(loss), retain_graph=keep)
             self.timings["loss_and_grad"] += time.perf_counter() - start
         params = self._params()
         start = time.perf_counter()
+        if self._unscale_overflowed(params):  # AMP: no update this step, a smaller scale
+            self._linearization = None
+            pre.step()  # consumes the step's statistics (its non-finite G is skipped)
+            self.timings["precondition"] += time.perf_counter() - start
+            self.last = {"lr": 0.0, "momentum": 0.0, "damping": self.damping, "overflow": 1.0}
+            self._end_step()
+            return None if loss is None else loss.detach()
         if self.adaptive_lr:
             grads = [_grad(p) for p in params]
             if self.weight_decay:
@@ -283,8 +371,21 @@ class KFAC(torch.optim.Optimizer):
             start = time.perf_counter()
             self._sgd_update(params)
             self.timings["update"] += time.perf_counter() - start
-        self.steps += 1
+        self._end_step()
         return None if loss is None else loss.detach()
+
+    def _end_step(self) -> None:
+        scaler = self._scaler()
+        if scaler is not None:
+            scaler.update()
+        self.steps += 1
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Logical or over ranks (every rank must take the same branch)."""
+        if self.preconditioner.communicator.world_size == 1:
+            return flag
+        device = next(iter(self.preconditioner.layers.values())).weight.device
+        return bool(self._allreduce(torch.tensor([float(flag)], device=device))[0] > 0)
 
     def _sgd_update(self, params: list[torch.Tensor]) -> None:
         """``torch.optim.SGD`` (momentum, weight decay after preconditioning), exactly."""
@@ -318,19 +419,22 @@ class KFAC(torch.optim.Optimizer):
 
         ``C`` is the Gauss-Newton matrix of the loss on the batch behind ``outputs``.
         """
-        with torch.enable_grad():
-            jvs = _jacobian_vector_products(outputs, params, vectors, self.preconditioner)
+        linearization, self._linearization = self._linearization, None
+        if linearization is None:
+            with torch.enable_grad(), self.preconditioner.recording_g(False):
+                linearization = _Linearization(outputs, params, None)
         k = len(vectors)
-        quad = torch.zeros(k, k, dtype=torch.float64, device=outputs.device)
-        lin = torch.zeros(k, dtype=torch.float64, device=outputs.device)
+        gram = _gram([raw, *vectors])  # [g, v_1, ..., v_k] pairwise dot products
+        # half-precision graphs: J v of unit vectors, scaled back (no over/underflow)
+        norms = gram.diagonal()[1:].sqrt().tolist() if self._reduced_precision else None
+        jvs = linearization.jacobian_vector_products(vectors, norms)
+        quad = torch.empty(k, k, dtype=torch.float64, device=outputs.device)
         reg = self.damping + self.weight_decay
         for i in range(k):
-            lin[i] = _dot(raw, vectors[i])
             for j in range(i, k):
                 value = self.loss.gauss_newton(outputs, jvs[i], jvs[j])
-                value = value + reg * _dot(vectors[i], vectors[j])
-                quad[i, j] = quad[j, i] = value
-        return quad, lin
+                quad[i, j] = quad[j, i] = value + reg * gram[i + 1, j + 1]
+        return quad, gram[0, 1:].clone()
 
     def _adaptive_update(
         self,
@@ -380,7 +484,7 @@ class KFAC(torch.optim.Optimizer):
             start = time.perf_counter()
             with torch.no_grad():
                 after_outputs, after_targets = closure()
-                after = self.loss(after_outputs, after_targets).detach().double()
+                after = self.loss(_full(after_outputs), after_targets).detach().double()
             loss_after = float(self._allreduce(after[None])[0])
             rho = (loss_after - loss_before) / predicted if predicted < 0 else -math.inf
             self.damping = lm_damping(self.damping, rho, self.omega, self.min_damping,
@@ -443,38 +547,73 @@ def _solve(quad: torch.Tensor, lin: torch.Tensor) -> torch.Tensor | None:
     return solution
 
 
-def _jacobian_vector_products(
-    outputs: torch.Tensor,
-    params: list[torch.Tensor],
-    vectors: list[list[torch.Tensor]],
-    pre: KFACPreconditioner,
-) -> list[torch.Tensor]:
-    """``J v`` for each vector (over ``params``) by the double-backward trick."""
-    dummy = torch.zeros_like(outputs, requires_grad=True)
-    with pre.recording_g(False):
+class _Linearization:
+    """``J^T u`` as a differentiable function of ``u``, for ``J v`` (double-backward trick).
+
+    ``J`` is the Jacobian of ``outputs`` w.r.t. ``params``. One backward pass with
+    ``create_graph=True`` builds ``t(u) = J^T u``; since ``t`` is linear in ``u``, the
+    gradient of ``t . v`` w.r.t. ``u`` is ``J v`` whatever ``u``'s value. A sampled
+    loss's output gradient as ``u`` lets that pass also record the Monte-Carlo G factors
+    (one backward pass fewer per step).
+
+    Args:
+        outputs: The model outputs (with their graph).
+        params: The parameters.
+        seed: The value of ``u`` (zeros if ``None``).
+    """
+
+    def __init__(
+        self, outputs: torch.Tensor, params: list[torch.Tensor], seed: torch.Tensor | None
+    ) -> None:
+        seed = torch.zeros_like(outputs) if seed is None else seed.detach()
+        self.dummy = seed.requires_grad_(True)
         transposed = torch.autograd.grad(
-            outputs, params, grad_outputs=dummy, create_graph=True, allow_unused=True
+            outputs, params, grad_outputs=self.dummy, create_graph=True, allow_unused=True
         )
+        self.used = [i for i, t in enumerate(transposed) if t is not None]
+        self.transposed = [transposed[i] for i in self.used]
+
+    def jacobian_vector_products(
+        self, vectors: list[list[torch.Tensor]], norms: list[float] | None = None
+    ) -> list[torch.Tensor]:
+        """``J v`` per vector (one tensor per parameter); frees the graph after the last.
+
+        With ``norms``, ``J (v / |v|)`` is computed and multiplied by ``|v|``.
+        """
         out = []
-        for v in vectors:
-            total = sum(
-                ((t * vi).sum() for t, vi in zip(transposed, v, strict=True) if t is not None),
-                start=torch.zeros((), dtype=outputs.dtype, device=outputs.device),
-            )
-            (jv,) = torch.autograd.grad(total, dummy, retain_graph=True)
-            out.append(jv.detach())
-    return out
+        with torch.enable_grad():
+            for n, v in enumerate(vectors):
+                norm = 1.0 if norms is None or not norms[n] > 0 else norms[n]
+                (jv,) = torch.autograd.grad(
+                    self.transposed, self.dummy,
+                    grad_outputs=[v[i] if norm == 1.0 else v[i] / norm for i in self.used],
+                    retain_graph=n < len(vectors) - 1,
+                )
+                out.append(jv.detach() if norm == 1.0 else jv.detach() * norm)
+        return out
+
+
+def _gram(vectors: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Dot products ``vectors[i] . vectors[j]`` (over all parameters), float64."""
+    k = len(vectors)
+    device = vectors[0][0].device
+    gram = torch.zeros(k, k, dtype=torch.float64, device=device)
+    for parts in zip(*vectors, strict=True):
+        rows = torch.stack([t.reshape(-1) for t in parts]).double()
+        gram.add_(rows @ rows.T)
+    return gram
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _full(outputs: torch.Tensor) -> torch.Tensor:
+    """Half-precision outputs (autocast) as float32, for the loss and the quadratic model."""
+    return outputs.float() if outputs.dtype in _HALF else outputs
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
-
-
-def _dot(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> torch.Tensor:
-    return sum(
-        ((x.double() * y.double()).sum() for x, y in zip(a, b, strict=True)),
-        start=torch.zeros((), dtype=torch.float64),
-    )
 
 
 def _is_adaptive(name: str, value: object) -> bool:

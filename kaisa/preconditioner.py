@@ -319,6 +319,19 @@ class KFACPreconditioner:
         self._steps += 1
         self._recorder.end_step()
 
+    def discard_step(self) -> None:
+        """Forgets what the hooks recorded since the last :meth:`step` (no step follows).
+
+        For a step abandoned after its forward pass (e.g. a non-finite loss), so its
+        statistics do not leak into the next step's factors. Call it on every rank, before
+        any backward pass of the abandoned step.
+        """
+        for layer in self._layers.values():
+            layer.stats.take()
+            layer.stats.saved_inputs.clear()
+            layer.stats.saved_grads.clear()
+        self._recorder.end_step()
+
     def _update_factors(self, rho: float) -> None:
         """Averages the step's batch factors over ranks, then folds them in."""
         self._recorder.compute_saved()

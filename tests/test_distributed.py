@@ -160,12 +160,12 @@ def _grid(world: int) -> list[dict[str, Any]]:
 
 
 def _subset(world: int) -> list[dict[str, Any]]:
-    """Covers every strategy, method, symmetry and bucketing value in a few configs."""
+    """Covers every strategy, method (pi_inverse with A and G on different ranks), symmetry and bucketing value in a few configs."""
     cfgs = [
         dict(strategy="comm_opt", method="eigen", sym=True, bucket=25.0),
         dict(strategy="mem_opt", method="inverse", sym=True, bucket=0.0),
         dict(strategy="mem_opt", method="eigen", sym=False, bucket=25.0, extra=True),
-        dict(strategy="comm_opt", method="inverse", sym=False, bucket=0.0, colocate=False),
+        dict(strategy="comm_opt", method="pi_inverse", sym=False, bucket=0.0, colocate=False),
         dict(strategy="mem_opt", method="eigen", sym=True, bucket=0.0001, tiny=True),
         dict(strategy="mem_opt", method="inverse", sym=True, bucket=0.001, fus=2, in_hook=False),
     ]

@@ -52,7 +52,7 @@ def test_same_padding_rule_matches_torch():
 
 
 @pytest.mark.parametrize("case", CONV_MODULE_CASES, ids=conv_module_id)
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", ["eigen", "inverse", "pi_inverse"])
 def test_conv2d_factors_and_preconditioning(case, method):
     torch.manual_seed(1)
     conv = nn.Conv2d(**case)
@@ -73,8 +73,12 @@ def test_conv2d_factors_and_preconditioning(case, method):
             want = kron_solve(g[k], a[k], grad[k], DAMPING)
         else:
             eye_g, eye_a = torch.eye(g.shape[-1]), torch.eye(a.shape[-1])
-            want = torch.linalg.solve(g[k] + DAMPING * eye_g, grad[k]) @ torch.linalg.inv(
-                a[k] + DAMPING * eye_a
+            damp_a = damp_g = DAMPING
+            if method == "pi_inverse":  # pi-adjusted factored damping, per group
+                pi = (torch.diagonal(a[k]).mean() / torch.diagonal(g[k]).mean()).sqrt()
+                damp_a, damp_g = pi * DAMPING**0.5, DAMPING**0.5 / pi
+            want = torch.linalg.solve(g[k] + damp_g * eye_g, grad[k]) @ torch.linalg.inv(
+                a[k] + damp_a * eye_a
             )
         torch.testing.assert_close(got[k], want)
 

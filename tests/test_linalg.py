@@ -65,3 +65,17 @@ def test_damped_inverses() -> None:
         [torch.full((1, 2, 2), float("nan"))], damping=0.1, inv_dtype=torch.float32
     )
     assert none is None
+
+
+def test_damped_inverses_batched_by_size_isolate_a_bad_factor(caplog) -> None:
+    good, other, bad = _spd(2, 4).double(), _spd(1, 3).double(), torch.full((1, 4, 4), float("nan"))
+    damping = [torch.tensor([0.1, 0.2], dtype=torch.float64), 0.3, 0.1]
+    with caplog.at_level(logging.WARNING, logger="kaisa"):
+        inv_good, inv_other, inv_bad = linalg.damped_inverses(
+            [good, other, bad], damping=damping, inv_dtype=torch.float64, names=["g", "o", "b"]
+        )
+    assert inv_bad is None and "b failed" in caplog.text and "of g" not in caplog.text
+    eye4, eye3 = torch.eye(4, dtype=torch.float64), torch.eye(3, dtype=torch.float64)
+    for k, d in enumerate((0.1, 0.2)):
+        torch.testing.assert_close(inv_good[k], torch.linalg.inv(good[k] + d * eye4))
+    torch.testing.assert_close(inv_other[0], torch.linalg.inv(other[0] + 0.3 * eye3))

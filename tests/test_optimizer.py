@@ -260,3 +260,122 @@ def test_non_finite_loss_takes_no_step_and_is_returned() -> None:
     assert loss is not None and not torch.isfinite(loss)
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
+    # the abandoned step's statistics do not leak into the next step's factors
+    opt.step(lambda: (model(x), y))
+    fresh_model = _mlp(out=3)
+    fresh = kaisa.KFAC(fresh_model, loss="cross_entropy")
+    fresh.step(lambda: (fresh_model(x), y))
+    for la, lb in zip(opt.preconditioner.layers.values(), fresh.preconditioner.layers.values(),
+                      strict=True):
+        assert torch.equal(la.a_factor, lb.a_factor)
+
+
+def test_mc_pass_that_builds_the_linearization_records_the_same_factors() -> None:
+    # adaptive mode: one create_graph pass records G and builds J^T; fixed mode: a plain
+    # Monte-Carlo backward. Same seed, same batch: the same running factors.
+    x, y = _batch(n=7, out=3)
+    factors = []
+    for lr in ("adaptive", 0.1):
+        model = _mlp(out=3)
+        opt = kaisa.KFAC(model, loss="mse", lr=lr, momentum=0.0 if lr == 0.1 else "adaptive",
+                         inv_dtype=torch.float64, seed=3)
+        opt.step(lambda model=model: (model(x), y))  # same parameters: same factors
+        factors.append([(la.a_factor, la.g_factor) for la in opt.preconditioner.layers.values()])
+    for (a1, g1), (a2, g2) in zip(*factors, strict=True):
+        torch.testing.assert_close(a1, a2, rtol=0, atol=0)
+        torch.testing.assert_close(g1, g2, rtol=1e-14, atol=0)
+
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+def _scaler(scale: float) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1_000_000)
+
+
+@pytest.mark.parametrize("lr", ["adaptive", 0.05])
+def test_grad_scaler_with_a_power_of_two_scale_changes_nothing(lr: object) -> None:
+    # scaling by 2^k and unscaling is exact: the trajectory equals the unscaled one
+    momentum = "adaptive" if lr == "adaptive" else 0.9
+    models = [_mlp(out=3), _mlp(out=3)]
+    opts = [
+        kaisa.KFAC(m, loss="mse", lr=lr, momentum=momentum, inv_dtype=torch.float64,
+                   grad_scaler=scaler)
+        for m, scaler in zip(models, (None, _scaler(2.0**12)), strict=True)
+    ]
+    for step in range(4):
+        x, y = _batch(out=3)
+        for m, opt in zip(models, opts, strict=True):
+            opt.step(lambda m=m, x=x, y=y, step=step: (m(x + 0.1 * step), y))
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_grad_scaler_without_closure_is_driven_by_kfac() -> None:
+    models = [_mlp(), _mlp()]
+    scaler = _scaler(2.0**8)
+    opts = [
+        kaisa.KFAC(m, loss="mse", curvature="empirical", lr=0.1, momentum=0.9,
+                   grad_scaler=sc)
+        for m, sc in zip(models, (None, scaler), strict=True)
+    ]
+    for _ in range(3):
+        x, y = _batch()
+        for m, opt, sc in zip(models, opts, (None, scaler), strict=True):
+            opt.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            (loss if sc is None else sc.scale(loss)).backward()
+            opt.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    # the torch pattern scaler.step(opt) would unscale twice: a clear error instead
+    x, y = _batch()
+    scaler.scale(F.mse_loss(models[1](x), y)).backward()
+    with pytest.raises(ValueError, match="drives its grad_scaler"):
+        scaler.step(opts[1])
+
+
+def test_grad_scaler_overflow_skips_the_update_and_backs_off() -> None:
+    torch.set_default_dtype(torch.float32)
+    model = _mlp(out=3)
+    scaler = _scaler(2.0**127)  # gradients overflow float32
+    opt = kaisa.KFAC(model, loss="mse", grad_scaler=scaler)
+    x, y = _batch(out=3)
+    y = 100.0 * y  # a loss of ~1e4: scaled by 2^127 it overflows
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step(lambda: (model(x), y))
+    assert opt.last["overflow"] == 1.0 and opt.steps == 1
+    assert scaler.get_scale() == 2.0**126
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for layer in opt.preconditioner.layers.values():  # a non-finite G is never folded in
+        assert bool(torch.isfinite(layer.g_factor).all())
+    for _ in range(3):  # still a large scale, but finite gradients: updates resume
+        scaler.update(2.0**10)
+        opt.step(lambda: (model(x), y))
+    assert "overflow" not in opt.last
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_autocast_closure_trains(half: torch.dtype) -> None:
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 6))
+    scaler = _scaler(2.0**10) if half is torch.float16 else None
+    opt = kaisa.KFAC(model, loss="mse", grad_scaler=scaler, damping=1e-2)
+    x = torch.randn(64, 6)
+
+    def closure() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", dtype=half):
+            out = model(x)
+        assert out.dtype == half
+        return out, x
+
+    first = float(opt.step(closure))  # type: ignore[arg-type]
+    for _ in range(30):
+        last = float(opt.step(closure))  # type: ignore[arg-type]
+    assert last < 0.5 * first
+    assert opt.last["lr"] > 0 and math.isfinite(opt.last["predicted_change"])

@@ -44,8 +44,9 @@ from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.protocol import CommHandle, Communicator
 from kaisa.distributed.strategy import WorkerGrid, resolve_grad_workers, valid_fractions
 from kaisa.distributed.torch_comm import make_communicator
+from kaisa.finite import all_finite
 from kaisa.layers import KFACLayer
-from kaisa.methods import Payload, SecondOrderMethod
+from kaisa.methods import Damping, Payload, SecondOrderMethod
 
 __all__ = ["DistributedEngine", "PreconditionedGradient"]
 
@@ -279,7 +280,7 @@ class DistributedEngine:
                 got = [h.wait() for h in handles]
                 if src == self._rank:
                     received[(la.name, side)] = computed[(la.name, side)]
-                elif not bool(torch.isfinite(got[0]).all()):
+                elif not bool(all_finite(got[0])):
                     received[(la.name, side)] = None  # the source had no result either
                 else:
                     received[(la.name, side)] = got
@@ -294,24 +295,28 @@ class DistributedEngine:
         self, layers: Sequence[KFACLayer], damping: float
     ) -> dict[_Key, Payload | None]:
         """Decomposes the factors the placement assigns to this rank, in one batch."""
-        mine: list[tuple[KFACLayer, str]] = []
+        mine: list[tuple[KFACLayer, str, Damping]] = []
         for la in layers:
             lp = self._placement[la.name]
+            if self._rank not in (lp.a_rank, lp.g_rank):
+                continue
+            assert la.a is not None and la.g is not None
+            damping_a, damping_g = self._method.factor_damping(la.a, la.g, damping)
             if lp.a_rank == self._rank:
-                mine.append((la, "A"))
+                mine.append((la, "A", damping_a))
             if lp.g_rank == self._rank:
-                mine.append((la, "G"))
+                mine.append((la, "G", damping_g))
         if not mine:
             return {}
         results = self._method.decompose(
-            [la.a if side == "A" else la.g for la, side in mine],  # type: ignore[misc]
-            damping=damping,
+            [la.a if side == "A" else la.g for la, side, _ in mine],  # type: ignore[misc]
+            damping=[d for _, _, d in mine],
             inv_dtype=self._config.inv_dtype,
-            names=[f"{la.name}.{side}" for la, side in mine],
+            names=[f"{la.name}.{side}" for la, side, _ in mine],
         )
         return {
             (la.name, side): None if res is None else self._as_received(res)
-            for (la, side), res in zip(mine, results, strict=True)
+            for (la, side, _), res in zip(mine, results, strict=True)
         }
 
     def _as_received(self, payload: Payload) -> Payload:

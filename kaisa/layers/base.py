@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from kaisa.finite import all_finite
+
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
 
@@ -298,8 +300,7 @@ def _fold(
         running = eye.expand_as(batch).clone()
     if skipped is None:
         skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
-    lo, hi = torch.aminmax(batch)  # NaN/Inf propagate; unlike a sum, this cannot overflow
-    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    finite = all_finite(batch)
     updated = running * rho + batch * (1.0 - rho)
     running = torch.where(finite, updated, running)
     skipped = skipped + (~finite).to(skipped.dtype)

@@ -10,16 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kaisa.enums import ComputeMethod
-from kaisa.methods.base import FactorSide, Payload, SecondOrderMethod, State
+from kaisa.methods.base import Damping, FactorSide, Payload, SecondOrderMethod, State
 from kaisa.methods.eigen import EigenMethod
-from kaisa.methods.inverse import InverseMethod
+from kaisa.methods.inverse import InverseMethod, PiInverseMethod
 
 __all__ = [
     "METHODS",
+    "Damping",
     "EigenMethod",
     "FactorSide",
     "InverseMethod",
     "Payload",
+    "PiInverseMethod",
     "SecondOrderMethod",
     "State",
     "make_method",
@@ -29,6 +31,7 @@ __all__ = [
 METHODS: dict[ComputeMethod, Callable[[bool], SecondOrderMethod]] = {
     ComputeMethod.EIGEN: lambda outer_product: EigenMethod(outer_product=outer_product),
     ComputeMethod.INVERSE: lambda outer_product: InverseMethod(),
+    ComputeMethod.PI_INVERSE: lambda outer_product: PiInverseMethod(),
 }
 
 

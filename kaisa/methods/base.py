@@ -27,12 +27,14 @@ import torch
 
 from kaisa.enums import ComputeMethod
 
-__all__ = ["FactorSide", "Payload", "SecondOrderMethod", "State"]
+__all__ = ["Damping", "FactorSide", "Payload", "SecondOrderMethod", "State"]
 
 #: Tensors computed for one factor (e.g. ``[eigenvectors, eigenvalues]``).
 Payload: TypeAlias = list[torch.Tensor]
 #: A layer's stored decomposition state, keyed by :attr:`SecondOrderMethod.state_keys`.
 State: TypeAlias = dict[str, torch.Tensor]
+#: Damping added to one factor batch: a number, or one value per block ``(blocks,)``.
+Damping: TypeAlias = float | torch.Tensor
 #: Which factor of a layer: ``'A'`` (activations) or ``'G'`` (output gradients).
 FactorSide: TypeAlias = str
 
@@ -53,7 +55,7 @@ class SecondOrderMethod(abc.ABC):
         self,
         factors: Sequence[torch.Tensor],
         *,
-        damping: float,
+        damping: Sequence[Damping],
         inv_dtype: torch.dtype,
         names: Sequence[str],
     ) -> list[Payload | None]:
@@ -61,7 +63,7 @@ class SecondOrderMethod(abc.ABC):
 
         Args:
             factors: The running factors to decompose.
-            damping: The current damping.
+            damping: Per factor, what :meth:`factor_damping` gave for it.
             inv_dtype: Storage dtype of the results.
             names: One name per factor, for warnings.
 
@@ -96,6 +98,22 @@ class SecondOrderMethod(abc.ABC):
     @abc.abstractmethod
     def decompose_flops(self, n: int) -> float:
         """Approximate floating-point operations to decompose one ``n x n`` factor."""
+
+    def factor_damping(
+        self, a: torch.Tensor, g: torch.Tensor, damping: float
+    ) -> tuple[Damping, Damping]:
+        """The damping :meth:`decompose` gets for a layer's A and G factors.
+
+        Args:
+            a: The layer's running A factor ``(blocks, n, n)``.
+            g: Its running G factor.
+            damping: The current damping.
+
+        Returns:
+            ``(damping for A, damping for G)``: numbers, or per-block tensors
+            ``(blocks,)``. The default gives both the current damping.
+        """
+        return damping, damping
 
     def ready(self, state: State) -> bool:
         """Whether ``state`` holds what :meth:`precondition` needs."""

@@ -14,7 +14,7 @@ import torch
 
 from kaisa import linalg, ops
 from kaisa.enums import ComputeMethod
-from kaisa.methods.base import FactorSide, Payload, SecondOrderMethod, State
+from kaisa.methods.base import Damping, FactorSide, Payload, SecondOrderMethod, State
 
 __all__ = ["EigenMethod"]
 
@@ -37,11 +37,11 @@ class EigenMethod(SecondOrderMethod):
         self,
         factors: Sequence[torch.Tensor],
         *,
-        damping: float,
+        damping: Sequence[Damping],
         inv_dtype: torch.dtype,
         names: Sequence[str],
     ) -> list[Payload | None]:
-        """See :meth:`SecondOrderMethod.decompose`; payload ``[Q, d]``."""
+        """See :meth:`SecondOrderMethod.decompose`; payload ``[Q, d]`` (damping unused)."""
         results = linalg.eigen_decompositions(factors, inv_dtype=inv_dtype, names=names)
         return [None if r is None else [r.eigenvectors, r.eigenvalues] for r in results]
 

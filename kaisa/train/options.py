@@ -70,9 +70,10 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--kfac-compute-method",
-        choices=("eigen", "inverse"),
-        default="eigen",
-        help="second-order method (default: %(default)s)",
+        choices=("eigen", "inverse", "pi_inverse"),
+        default=None,
+        help="second-order method; pi_inverse: Cholesky inverses with pi-adjusted factored "
+        "damping (default: pi_inverse for --optimizer kfac, else eigen)",
     )
     add(
         "--kfac-eigenvalue-outer-product",
