@@ -248,12 +248,16 @@ class KFAC(torch.optim.Optimizer):
         return scaler
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale, in ``loss``'s dtype (``scaler.scale`` would
-        round a float64 loss to float32)."""
+        """``loss`` times the loss scale, in ``loss``'s dtype.
+
+        ``scaler.scale(loss)`` would round a float64 loss to float32; scaling a one creates
+        the scaler's scale tensor on first use all the same.
+        """
         scaler = self._scaler()
         if scaler is None:
             return loss
-        scale = scaler.scale(torch.ones((), dtype=torch.float32, device=loss.device))
+        one = torch.ones((), dtype=torch.float32, device=loss.device)
+        scale: torch.Tensor = scaler.scale(one)
         return loss * scale.to(loss.dtype).reshape(())
 
     def _unscale_overflowed(self, params: list[torch.Tensor]) -> bool:
