@@ -282,8 +282,9 @@ class KFACPreconditioner:
         return dict(self._timings)
 
     def reset_timings(self) -> None:
-        """Zero :attr:`timings`."""
-        self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
+        """Zero :attr:`timings` (in place: the engine and the hooks add to the same dict)."""
+        for key in self._timings:
+            self._timings[key] = 0.0
 
     @property
     def skipped_factor_updates(self) -> int:

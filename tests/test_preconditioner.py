@@ -423,3 +423,17 @@ def test_training_steps_agree_across_backends_and_devices(device: torch.device) 
         results[backend] = [p.detach().cpu() for p in model.parameters()]
     for a, b in zip(results["torch"], results.get("ext", results["torch"]), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_reset_timings_keeps_counting_every_phase() -> None:
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    pre = kaisa.KFACPreconditioner(model)
+    x = torch.randn(8, 4)
+    for reset in (False, True):
+        if reset:
+            pre.reset_timings()
+            assert all(v == 0.0 for v in pre.timings.values())
+        model(x).square().sum().backward()
+        pre.step()
+        for phase in ("factors", "communication", "decompositions", "preconditioning"):
+            assert pre.timings[phase] > 0.0, (phase, reset)  # the engine's and hooks' too
