@@ -188,7 +188,7 @@ def test_every_preconditioner_argument_has_a_flag() -> None:
 def test_torchrun_two_processes(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "kaisa.train"]
-    command += _args(tmp_path, "--name", "ddp", "--compare", "sgd,sgd+kfac", "--no-plot")
+    command += _args(tmp_path, "--name", "ddp", "--compare", "sgd,sgd+kfac,kfac", "--no-plot")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KAISA_BACKEND": "torch"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -198,8 +198,11 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
         ("sgd", 1),
         ("sgd+kfac", 0),
         ("sgd+kfac", 1),
+        ("kfac", 0),
+        ("kfac", 1),
     ]
     assert result.stdout.count("| sgd+kfac |") == 1  # printed by rank 0 only
+    assert records[-1]["lr"] > 0  # kaisa.KFAC's adaptive step under DDP
 
 
 # --- reliability: bad checkpoints, run folders, recorded settings -------------------------

@@ -50,7 +50,7 @@ TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
     ("autoencode", "kfac", False): {  # 3 seeds, 60 epochs (docs/training.md)
         "kfac_damping": 1e-4,
         "kfac_factor_update_steps": 1,
-        "kfac_inv_update_steps": 2,
+        "kfac_inv_update_steps": 1,
         "kfac_factor_decay": 0.8,
         "kfac_compute_method": "pi_inverse",
     },
