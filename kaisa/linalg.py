@@ -125,7 +125,9 @@ def _cholesky_inverse(
         logger.debug("cholesky failed in %s: %s", dtype, err)
         return None
     ok = (info == 0).all() & all_finite(inv)
-    return inv if bool(ok) else None
+    # LAPACK leaves the (symmetric) inverse column-major: its transpose is the same matrix
+    # in row-major order, which receivers and matmuls use without a copy
+    return inv.mT if bool(ok) else None
 
 
 def damped_inverses(
