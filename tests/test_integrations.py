@@ -1,8 +1,8 @@
 """kaisa.KFAC inside training frameworks: Hugging Face ``Trainer`` and Lightning.
 
 Each framework run records the batches it fed the model; a plain loop over the same
-batches must give bit-identical parameters. The frameworks are optional (not test
-dependencies): without them these tests skip, and the skip names the missing package.
+batches must give bit-identical parameters. The frameworks are in the ``test`` extra;
+where one is missing its test skips, and the skip names the package.
 """
 
 from __future__ import annotations
