@@ -24,7 +24,8 @@ One step (Martens & Grosse 2015; kfac-jax's adaptive optimizer), on the engine o
    with ``create_graph=True`` (which is also the first Monte-Carlo sample's pass, so it
    records G too), then one backward pass through it per vector.
 4. **Damping.** Fixed, or every ``damping_interval`` steps the Levenberg-Marquardt rule on
-   ``rho = (L(theta + delta) - L(theta)) / m(delta)`` (one extra forward pass): ``lambda``
+   ``rho = (L(theta + delta) - L(theta)) / m0(delta)`` (one extra forward pass), ``m0`` the
+   model without the damping term (Martens & Grosse 2015, 6.5; kfac-jax's default): ``lambda``
    is multiplied by ``omega = damping_decay ** damping_interval`` when ``rho > 3/4`` and
    divided by it when ``rho < 1/4``, within ``[min_damping, max_damping]``.
 
@@ -418,10 +419,11 @@ class KFAC(torch.optim.Optimizer):
         params: list[torch.Tensor],
         raw: list[torch.Tensor],
         vectors: list[list[torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``Q_ij = v_i.(C + (lambda + wd) I) v_j`` and ``b_i = g.v_i`` (float64).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``Q_ij = v_i.(C + (lambda + wd) I) v_j``, ``b_i = g.v_i`` and ``D_ij = v_i.v_j``.
 
-        ``C`` is the Gauss-Newton matrix of the loss on the batch behind ``outputs``.
+        ``C`` is the Gauss-Newton matrix of the loss on the batch behind ``outputs``; all
+        three are float64.
         """
         linearization, self._linearization = self._linearization, None
         if linearization is None:
@@ -438,7 +440,7 @@ class KFAC(torch.optim.Optimizer):
             for j in range(i, k):
                 value = self.loss.gauss_newton(outputs, jvs[i], jvs[j])
                 quad[i, j] = quad[j, i] = value + reg * gram[i + 1, j + 1]
-        return quad, gram[0, 1:].clone()
+        return quad, gram[0, 1:].clone(), gram[1:, 1:].clone()
 
     def _adaptive_update(
         self,
@@ -455,7 +457,7 @@ class KFAC(torch.optim.Optimizer):
         if with_momentum:
             vectors.append([v for v in velocity if v is not None])
         start = time.perf_counter()
-        quad, lin = self.quadratic_model(outputs, params, raw, vectors)
+        quad, lin, sq = self.quadratic_model(outputs, params, raw, vectors)
         reduced = self._allreduce(torch.cat([quad.flatten(), lin, loss.detach().double()[None]]))
         k = len(vectors)
         quad, lin = reduced[: k * k].view(k, k), reduced[k * k : k * k + k]
@@ -463,13 +465,16 @@ class KFAC(torch.optim.Optimizer):
         coeffs = _solve(quad, lin)
         if coeffs is None and k > 1:  # momentum collinear with the direction: drop it
             k, vectors = 1, vectors[:1]
-            quad, lin = quad[:1, :1], lin[:1]
+            quad, lin, sq = quad[:1, :1], lin[:1], sq[:1, :1]
             coeffs = _solve(quad, lin)
         if coeffs is None:  # degenerate model: take no step this time
-            coeffs = torch.zeros(k, dtype=torch.float64)
+            coeffs = torch.zeros(k, dtype=torch.float64, device=quad.device)
         alpha = float(coeffs[0])
         mu = float(coeffs[1]) if k > 1 else 0.0
-        predicted = float(0.5 * coeffs @ quad @ coeffs + lin @ coeffs)
+        # The LM rule compares with the undamped model (weight decay is part of the
+        # objective, the damping is not): Martens & Grosse 2015, 6.5; kfac-jax's default.
+        undamped = quad - self.damping * sq.to(quad.device)
+        predicted = float(0.5 * coeffs @ undamped @ coeffs + lin @ coeffs)
         self.timings["quadratic_model"] += time.perf_counter() - start
         start = time.perf_counter()
         for i, p in enumerate(params):

@@ -105,7 +105,7 @@ def test_quadratic_model_coefficients_are_exact(kind: str, reduction: str) -> No
     g = torch.Generator().manual_seed(3)
     vectors = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(2)]
     raw = [torch.randn(p.shape, generator=g) for p in params]
-    quad, lin = opt.quadratic_model(outputs, params, raw, vectors)
+    quad, lin, sq = opt.quadratic_model(outputs, params, raw, vectors)
     jac, _ = _flat_jacobian(model, x)
     hess = _explicit_hessian(opt.loss, outputs.detach())
     ggn = jac.T @ hess @ jac
@@ -116,6 +116,7 @@ def test_quadratic_model_coefficients_are_exact(kind: str, reduction: str) -> No
         for j in range(2):
             want = flat[i] @ ggn @ flat[j] + (0.02 + 0.01) * flat[i] @ flat[j]
             assert quad[i, j] == pytest.approx(float(want), rel=1e-10)
+            assert sq[i, j] == pytest.approx(float(flat[i] @ flat[j]), rel=1e-12)
 
 
 def _objective_parts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Loss,
@@ -158,6 +159,10 @@ def test_chosen_lr_and_momentum_minimise_the_quadratic_model(kind: str) -> None:
         else:
             assert mu == 0.0
         assert opt.last["lr"] > 0
+        # the LM rule's prediction: the undamped model (weight decay in, damping out)
+        undamped = ggn + wd * torch.eye(ggn.shape[0])
+        predicted = grad @ velocity + 0.5 * velocity @ undamped @ velocity
+        assert opt.last["predicted_change"] == pytest.approx(float(predicted.detach()), rel=1e-8)
         previous = velocity
 
 
