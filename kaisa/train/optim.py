@@ -28,33 +28,40 @@ def build_kfac(model: nn.Module, options: argparse.Namespace) -> Any:
     """The adaptive :class:`kaisa.KFAC` optimizer from the ``--kfac-*`` options."""
     import kaisa
 
-    skip = [name for name in options.kfac_skip_layers.split(",") if name] or None
     return kaisa.KFAC(
         model,
         loss="mse" if options.task == "autoencode" else "cross_entropy",
         curvature=options.kfac_curvature,
-        damping=options.kfac_damping,
         min_damping=options.kfac_min_damping,
         adaptive_damping=options.kfac_adaptive_damping,
         damping_interval=options.kfac_damping_interval,
         weight_decay=options.weight_decay,
         seed=options.seed,
-        factor_update_steps=options.kfac_factor_update_steps,
-        inv_update_steps=options.kfac_inv_update_steps,
-        factor_decay=options.kfac_factor_decay,
-        allreduce_bucket_cap_mb=options.kfac_bucket_cap_mb,
-        assignment_strategy=options.kfac_assignment_strategy,
-        colocate_factors=options.kfac_colocate_factors,
-        compute_method=options.kfac_compute_method,
-        grad_worker_fraction=options.kfac_grad_worker_fraction,
-        memory_budget_mb=options.kfac_memory_budget_mb,
-        symmetry_aware=options.kfac_symmetry_aware,
-        factor_dtype=DTYPES[options.kfac_factor_dtype],
-        inv_dtype=DTYPES[options.kfac_inv_dtype] or torch.float32,
-        skip_layers=skip,
-        loglevel=getattr(logging, options.kfac_loglevel),
-        collective_timeout=options.kfac_collective_timeout,
+        **_curvature_arguments(options),
     )
+
+
+def _curvature_arguments(options: argparse.Namespace) -> dict[str, Any]:
+    """The ``--kfac-*`` options that ``KFAC`` and ``KFACPreconditioner`` share."""
+    skip = [name for name in options.kfac_skip_layers.split(",") if name] or None
+    return {
+        "factor_update_steps": options.kfac_factor_update_steps,
+        "inv_update_steps": options.kfac_inv_update_steps,
+        "damping": options.kfac_damping,
+        "factor_decay": options.kfac_factor_decay,
+        "allreduce_bucket_cap_mb": options.kfac_bucket_cap_mb,
+        "assignment_strategy": options.kfac_assignment_strategy,
+        "colocate_factors": options.kfac_colocate_factors,
+        "compute_method": options.kfac_compute_method,
+        "grad_worker_fraction": options.kfac_grad_worker_fraction,
+        "memory_budget_mb": options.kfac_memory_budget_mb,
+        "symmetry_aware": options.kfac_symmetry_aware,
+        "factor_dtype": DTYPES[options.kfac_factor_dtype],
+        "inv_dtype": DTYPES[options.kfac_inv_dtype] or torch.float32,
+        "skip_layers": skip,
+        "loglevel": getattr(logging, options.kfac_loglevel),
+        "collective_timeout": options.kfac_collective_timeout,
+    }
 
 
 def build_optimizer(params: Any, options: argparse.Namespace) -> torch.optim.Optimizer:
@@ -145,28 +152,12 @@ def build_preconditioner(
     """
     import kaisa
 
-    skip = [name for name in options.kfac_skip_layers.split(",") if name] or None
     return kaisa.KFACPreconditioner(
         model,
-        factor_update_steps=options.kfac_factor_update_steps,
-        inv_update_steps=options.kfac_inv_update_steps,
-        damping=options.kfac_damping,
-        factor_decay=options.kfac_factor_decay,
         kl_clip=parse_kl_clip(str(options.kfac_kl_clip)),
         lr=lambda _step: float(optimizer.param_groups[0]["lr"]),
         accumulation_steps=options.accumulation_steps,
-        allreduce_bucket_cap_mb=options.kfac_bucket_cap_mb,
-        assignment_strategy=options.kfac_assignment_strategy,
-        colocate_factors=options.kfac_colocate_factors,
-        compute_method=options.kfac_compute_method,
         compute_eigenvalue_outer_product=options.kfac_eigenvalue_outer_product,
-        grad_worker_fraction=options.kfac_grad_worker_fraction,
-        memory_budget_mb=options.kfac_memory_budget_mb,
-        symmetry_aware=options.kfac_symmetry_aware,
-        factor_dtype=DTYPES[options.kfac_factor_dtype],
-        inv_dtype=DTYPES[options.kfac_inv_dtype] or torch.float32,
-        skip_layers=skip,
         update_factors_in_hook=options.kfac_update_factors_in_hook,
-        loglevel=getattr(logging, options.kfac_loglevel),
-        collective_timeout=options.kfac_collective_timeout,
+        **_curvature_arguments(options),
     )
