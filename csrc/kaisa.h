@@ -28,7 +28,8 @@ inline at::ScalarType accumulate_dtype(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// Output spatial size of a convolution along one dimension.
+// Output spatial size of a convolution along one dimension (the one C++
+// definition: the CPU and CUDA conv_covariance kernels both use it).
 inline int64_t conv_out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) {
   return (in + 2 * p - d * (k - 1) - 1) / s + 1;
 }

@@ -26,12 +26,6 @@
 
 #include "../kaisa.h"
 
-// Runtime-API calls: throws c10::Error (a Python RuntimeError) with the CUDA
-// error string.
-#ifndef CUDA_CHECK
-#define CUDA_CHECK(EXPR) C10_CUDA_CHECK(EXPR)
-#endif
-
 namespace kaisa::cuda {
 
 template <typename T>

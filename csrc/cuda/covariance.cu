@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <vector>
 
 namespace kaisa::cuda {
 namespace {
@@ -400,10 +399,8 @@ Geom conv_geom(const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef
   g.pw = checked_int(padding[1], "padding");
   g.dh = checked_int(dilation[0], "dilation");
   g.dw = checked_int(dilation[1], "dilation");
-  const int64_t ho = (x.size(2) + 2 * padding[0] - dilation[0] * (kernel_size[0] - 1) - 1) /
-                         stride[0] + 1;
-  const int64_t wo = (x.size(3) + 2 * padding[1] - dilation[1] * (kernel_size[1] - 1) - 1) /
-                         stride[1] + 1;
+  const int64_t ho = conv_out_size(x.size(2), kernel_size[0], stride[0], padding[0], dilation[0]);
+  const int64_t wo = conv_out_size(x.size(3), kernel_size[1], stride[1], padding[1], dilation[1]);
   g.Ho = checked_int(ho, "output height");
   g.Wo = checked_int(wo, "output width");
   g.rows = x.size(0) * ho * wo;

@@ -289,7 +289,7 @@ void run_syevd(T* a, T* w, int* info, int n, int64_t batch, const at::Tensor& li
   }
 }
 
-std::string describe_failure(EighImpl impl, int64_t n, int64_t b, int code, bool finite) {
+std::string describe_failure(EighImpl impl, int64_t b, int code, bool finite) {
   std::ostringstream ss;
   ss << "matrix " << b << ": ";
   if (code < 0) {
@@ -304,7 +304,6 @@ std::string describe_failure(EighImpl impl, int64_t n, int64_t b, int code, bool
   } else if (!finite) {
     ss << "non-finite eigenvalues (input contains NaN/Inf or is badly conditioned)";
   }
-  (void)n;
   return ss.str();
 }
 
@@ -346,7 +345,7 @@ void eigh_impl(at::Tensor& vecs_cm, at::Tensor& vals, EighImpl impl) {
     const int code = st[b];
     const bool finite = st[batch + b] == 0;
     if (code != 0 || !finite) {
-      if (failed == 0) first = describe_failure(impl, n, b, code, finite);
+      if (failed == 0) first = describe_failure(impl, b, code, finite);
       ++failed;
     }
   }

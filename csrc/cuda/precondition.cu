@@ -28,7 +28,6 @@
 
 #include <limits>
 #include <optional>
-#include <vector>
 
 namespace kaisa::cuda {
 namespace {
@@ -75,12 +74,12 @@ void gemm_rm(cublasHandle_t h, bool ta, bool tb, int m, int n, int k, const T* a
                                      a, lda, sa, &zero, c, n, sc, batch));
 }
 
-// v[b][i][j] /= dg[b][i] * da[b][j] + damping
+// v[b][i][j] /= dg[b][i] * da[b][j] + damping; v (B, m, n), dg (B, m) and
+// da (B, n) contiguous.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     divide_kernel(T* __restrict__ v, const T* __restrict__ dg, const T* __restrict__ da,
-                  const int64_t total, const int m, const int n, const int64_t dg_stride,
-                  const int64_t da_stride, const T damping) {
+                  const int64_t total, const int m, const int n, const T damping) {
   const int64_t mn = static_cast<int64_t>(m) * n;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -88,19 +87,17 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = e - b * mn;
     const int64_t i = r / n;
     const int64_t j = r - i * n;
-    v[e] = v[e] / (dg[b * dg_stride + i] * da[b * da_stride + j] + damping);
+    v[e] = v[e] / (dg[b * m + i] * da[b * n + j] + damping);
   }
 }
 
-// v[b][i][j] *= dgda[b][i][j]
+// v[b][i][j] *= dgda[b][i][j]; v and dgda (B, m, n) contiguous.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    multiply_kernel(T* __restrict__ v, const T* __restrict__ dgda, const int64_t total,
-                    const int64_t mn, const int64_t dgda_stride) {
+    multiply_kernel(T* __restrict__ v, const T* __restrict__ dgda, const int64_t total) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t b = e / mn;
-    v[e] = v[e] * dgda[b * dgda_stride + (e - b * mn)];
+    v[e] = v[e] * dgda[e];
   }
 }
 
@@ -115,15 +112,18 @@ int to_int(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
+// Every operand is a contiguous (B, ...) tensor (see prepare): the batch
+// strides are the matrix sizes.
 template <typename T>
-void precondition_impl(const at::Tensor& g, const at::Tensor& qa, int64_t sqa,
-                       const at::Tensor& qg, int64_t sqg, const at::Tensor* dg, int64_t sdg,
-                       const at::Tensor* da, int64_t sda, const at::Tensor* dgda, int64_t sdgda,
+void precondition_impl(const at::Tensor& g, const at::Tensor& qa, const at::Tensor& qg,
+                       const at::Tensor* dg, const at::Tensor* da, const at::Tensor* dgda,
                        double damping, at::Tensor& t, at::Tensor& out) {
   const int batch = to_int(g.size(0), "batch");
   const int m = to_int(g.size(1), "m");
   const int n = to_int(g.size(2), "n");
   const int64_t mn = static_cast<int64_t>(m) * n;
+  const int64_t sqa = static_cast<int64_t>(n) * n;
+  const int64_t sqg = static_cast<int64_t>(m) * m;
   cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
@@ -141,13 +141,12 @@ void precondition_impl(const at::Tensor& g, const at::Tensor& qa, int64_t sqa,
   const int blocks = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(want, static_cast<int64_t>(sm_count()) * 8)));
   if (dgda != nullptr) {
-    multiply_kernel<T><<<blocks, kThreads, 0, stream>>>(O, dgda->const_data_ptr<T>(), total, mn,
-                                                         sdgda);
+    multiply_kernel<T><<<blocks, kThreads, 0, stream>>>(O, dgda->const_data_ptr<T>(), total);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     divide_kernel<T><<<blocks, kThreads, 0, stream>>>(O, dg->const_data_ptr<T>(),
-                                                       da->const_data_ptr<T>(), total, m, n, sdg,
-                                                       sda, static_cast<T>(damping));
+                                                       da->const_data_ptr<T>(), total, m, n,
+                                                       static_cast<T>(damping));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
@@ -185,16 +184,14 @@ at::Tensor eigen_precondition_cuda(const at::Tensor& grad, const at::Tensor& qa,
   at::Tensor out = at::empty({batch, m, n}, g.options());
   if (out.numel() > 0) {
     at::Tensor t = at::empty_like(out);
-    const int64_t sqa = n * n;
-    const int64_t sqg = m * m;
     if (ct == at::kDouble) {
-      precondition_impl<double>(g, qa_c, sqa, qg_c, sqg, use_dgda ? nullptr : &dg_c, m,
-                                use_dgda ? nullptr : &da_c, n, use_dgda ? &dgda_c : nullptr,
-                                m * n, damping, t, out);
+      precondition_impl<double>(g, qa_c, qg_c, use_dgda ? nullptr : &dg_c,
+                                use_dgda ? nullptr : &da_c, use_dgda ? &dgda_c : nullptr, damping,
+                                t, out);
     } else {
-      precondition_impl<float>(g, qa_c, sqa, qg_c, sqg, use_dgda ? nullptr : &dg_c, m,
-                               use_dgda ? nullptr : &da_c, n, use_dgda ? &dgda_c : nullptr,
-                               m * n, damping, t, out);
+      precondition_impl<float>(g, qa_c, qg_c, use_dgda ? nullptr : &dg_c,
+                               use_dgda ? nullptr : &da_c, use_dgda ? &dgda_c : nullptr, damping,
+                               t, out);
     }
   }
   at::Tensor result = out.to(gt);
