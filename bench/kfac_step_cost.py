@@ -97,7 +97,7 @@ def main() -> int:
     for _, kfac in steps.values():
         if kfac is not None:
             kfac.timings.update(dict.fromkeys(kfac.timings, 0.0))
-            kfac.preconditioner.reset_timings()
+            kfac.curvature.reset_timings()
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(args.rounds):
@@ -127,7 +127,7 @@ def main() -> int:
         if kfac is not None:
             split = {k: 1e3 * v / total_steps for k, v in kfac.timings.items()}
             split |= {f"preconditioner.{k}": 1e3 * v / total_steps
-                      for k, v in kfac.preconditioner.timings.items()}
+                      for k, v in kfac.curvature.timings.items()}
             entry["split_ms_per_step"] = split
         results["configs"][name] = entry
         print(f"{name:55s} {1e3 * median:7.2f} ms  x{median / adamw:5.2f} AdamW", flush=True)

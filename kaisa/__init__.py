@@ -10,9 +10,9 @@ Quickstart::
 from __future__ import annotations
 
 from kaisa import ops
+from kaisa.blocks import KFACLayer
 from kaisa.config import KFACConfig
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
-from kaisa.layers import KFACLayer
 from kaisa.optimizer import KFAC, Curvature
 from kaisa.preconditioner import KFACPreconditioner
 from kaisa.scheduler import LambdaParamScheduler

@@ -12,27 +12,30 @@ from collections.abc import Sequence
 
 import torch
 
-from kaisa.distributed.engine import PreconditionedGradient
+from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.finite import all_finite
 
-__all__ = ["write_preconditioned"]
+__all__ = ["guarded_directions", "write_preconditioned"]
 
 
-def write_preconditioned(
-    pairs: Sequence[PreconditionedGradient], *, kl_clip: float | None, lr: float
-) -> None:
-    """Scales (KL clip) and writes every finite preconditioned gradient to ``.grad``.
+def guarded_directions(
+    pairs: Sequence[Preconditioned], *, kl_clip: float | None, lr: float
+) -> list[tuple[CurvatureBlock, torch.Tensor]]:
+    """Each block's final direction: ``P`` KL-clipped, or its gradient where ``P`` is not finite.
 
     Args:
-        pairs: ``(layer, grad, P, valid)`` per layer; ``valid`` is a 0-d bool tensor for
-            received gradients (``None`` for local ones).
+        pairs: The core's preconditioned gradients.
         kl_clip: The KL-clip threshold, ``None`` for no clipping.
         lr: The learning rate of the KL clip.
+
+    Returns:
+        ``(block, direction matrix)`` per entry.
     """
     if not pairs:
-        return
+        return []
     checks: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-    for _, g, p, valid in pairs:
+    for entry in pairs:
+        g, p, valid = entry.grad, entry.direction, entry.valid
         ok = all_finite(p)
         t = None
         if kl_clip is not None:
@@ -50,6 +53,17 @@ def write_preconditioned(
         vg = torch.stack(terms).to(torch.float64).sum() * (lr * lr)
         ratio = torch.sqrt(kl_clip / vg.abs())
         nu = torch.where(vg == 0, torch.ones_like(vg), ratio.clamp(max=1.0))
-    for (layer, g, p, _), (_, ok) in zip(pairs, checks, strict=True):
+    out = []
+    for entry, (_, ok) in zip(pairs, checks, strict=True):
+        p = entry.direction
         scaled = p if nu is None else p * nu.to(p.device, p.dtype)
-        layer.write_grad(torch.where(ok, scaled, g))
+        out.append((entry.block, torch.where(ok, scaled, entry.grad)))
+    return out
+
+
+def write_preconditioned(
+    pairs: Sequence[Preconditioned], *, kl_clip: float | None, lr: float
+) -> None:
+    """Writes :func:`guarded_directions` into the parameters' ``.grad``."""
+    for block, direction in guarded_directions(pairs, kl_clip=kl_clip, lr=lr):
+        block.write_grad(direction)

@@ -18,10 +18,17 @@ from typing import Any
 
 import torch
 
-from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, parse_enum
+from kaisa.dtypes import working_dtype
+from kaisa.enums import (
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    parse_enum,
+    parse_grad_worker_fraction,
+)
 from kaisa.hyperparams import Schedule, check_bounded, check_float, check_int
 
-__all__ = ["HYPERPARAMETERS", "KFACConfig"]
+__all__ = ["HYPERPARAMETERS", "DistributedConfig", "KFACConfig"]
 
 #: Hyperparameters that may be numbers or callables of the step.
 HYPERPARAMETERS = (
@@ -124,7 +131,7 @@ class KFACConfig:
              parse_enum(ComputeMethod, self.compute_method, "compute_method"))
         set_(self, "assignment_strategy",
              parse_enum(AssignmentStrategy, self.assignment_strategy, "assignment_strategy"))
-        fraction = _parse_fraction(self.grad_worker_fraction)
+        fraction = parse_grad_worker_fraction(self.grad_worker_fraction)
         set_(self, "grad_worker_fraction", fraction)
         budget = self.memory_budget_mb
         if fraction == "auto" and budget is None:
@@ -166,21 +173,57 @@ class KFACConfig:
         """The constructor keywords (every field the user sets)."""
         return tuple(f.name for f in fields(cls) if f.init)
 
+    def distributed(self, weight_dtype: torch.dtype) -> DistributedConfig:
+        """The part the distributed engine needs.
 
-def _parse_fraction(
-    value: DistributedStrategy | float | str,
-) -> DistributedStrategy | float | str:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    if isinstance(value, bool):
-        raise ValueError(
-            f"grad_worker_fraction must be a DistributedStrategy or float, got {value!r}"
+        Args:
+            weight_dtype: The model's parameter dtype (the factors' when
+                ``factor_dtype`` is ``None``: at least float32).
+        """
+        return DistributedConfig(
+            grad_worker_fraction=self.grad_worker_fraction,
+            memory_budget_mb=self.memory_budget_mb,
+            assignment_strategy=self.assignment_strategy,
+            colocate_factors=self.colocate_factors,
+            symmetry_aware=self.symmetry_aware,
+            allreduce_bucket_cap_mb=self.allreduce_bucket_cap_mb,
+            collective_timeout=self.collective_timeout,
+            factor_dtype=self.factor_dtype or working_dtype(weight_dtype),
+            inv_dtype=self.inv_dtype,
+            loglevel=self.loglevel,
         )
-    if isinstance(value, (int, float)):
-        if not 0.0 < float(value) <= 1.0:
-            raise ValueError(f"grad_worker_fraction must be in (0, 1], got {value!r}")
-        return float(value)
-    return parse_enum(DistributedStrategy, value, "grad_worker_fraction")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """What :class:`~kaisa.distributed.DistributedEngine` is given.
+
+    KAISA's strategy and the communication settings, already validated by
+    :class:`KFACConfig`.
+
+    Attributes:
+        grad_worker_fraction: A :class:`DistributedStrategy`, a float or ``'auto'``.
+        memory_budget_mb: The budget of ``'auto'``.
+        assignment_strategy: Cost model for placing decompositions.
+        colocate_factors: Whether the A and G decompositions of a block share a rank.
+        symmetry_aware: Whether symmetric matrices are sent as upper triangles.
+        allreduce_bucket_cap_mb: Fusion bucket capacity.
+        collective_timeout: Seconds a collective may wait, ``None`` for the group's.
+        factor_dtype: The factors' dtype (resolved, for the memory model).
+        inv_dtype: The decompositions' dtype (payloads are sent in it).
+        loglevel: Logging level of the placement report.
+    """
+
+    grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT
+    memory_budget_mb: float | None = None
+    assignment_strategy: AssignmentStrategy = AssignmentStrategy.COMPUTE
+    colocate_factors: bool = True
+    symmetry_aware: bool = False
+    allreduce_bucket_cap_mb: float = 25.0
+    collective_timeout: float | None = None
+    factor_dtype: torch.dtype = torch.float32
+    inv_dtype: torch.dtype = torch.float32
+    loglevel: int = logging.DEBUG
 
 
 def _parse_skip_layers(skip_layers: object) -> tuple[str, ...]:

@@ -7,13 +7,17 @@ Every enum argument also accepts its name or value as a string, case-insensitive
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from typing import TypeVar
 
 __all__ = [
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "Side",
     "parse_enum",
+    "parse_grad_worker_fraction",
 ]
 
 
@@ -47,6 +51,13 @@ class AssignmentStrategy(enum.Enum):
     MEMORY = "memory"
 
 
+class Side(enum.Enum):
+    """Which Kronecker factor of a block: ``A`` (inputs) or ``G`` (output gradients)."""
+
+    A = "A"
+    G = "G"
+
+
 E = TypeVar("E", bound=enum.Enum)
 
 
@@ -74,3 +85,34 @@ def parse_enum(cls: type[E], value: E | str, argument: str) -> E:
                 return member
     choices = ", ".join(repr(str(m.value)) for m in cls)
     raise ValueError(f"{argument}={value!r} is not valid; expected one of {choices}")
+
+
+def parse_grad_worker_fraction(value: object) -> DistributedStrategy | float | str:
+    """The one parser of ``grad_worker_fraction`` (constructors, the app, the engine).
+
+    Args:
+        value: A :class:`DistributedStrategy`, its name or value (any case), ``'auto'``
+            or a number in ``(0, 1]``.
+
+    Returns:
+        The strategy, the float, or ``'auto'``.
+
+    Raises:
+        ValueError: For anything else (naming the argument).
+    """
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        raise ValueError(
+            f"grad_worker_fraction must be a DistributedStrategy or float, got {value!r}"
+        )
+    if isinstance(value, numbers.Real):
+        if not (math.isfinite(float(value)) and 0.0 < float(value) <= 1.0):
+            raise ValueError(f"grad_worker_fraction must be in (0, 1], got {value!r}")
+        return float(value)
+    if isinstance(value, (str, DistributedStrategy)):
+        return parse_enum(DistributedStrategy, value, "grad_worker_fraction")
+    raise ValueError(
+        f"grad_worker_fraction must be a DistributedStrategy, float or 'auto', got "
+        f"{type(value).__name__}"
+    )

@@ -1,7 +1,8 @@
 """Recording K-FAC statistics: module hooks, micro-batch counting, end of backward.
 
 :class:`StatisticsRecorder` puts a forward hook on every registered module. While
-recording (training mode, gradients on, a factor-update step), the forward hook turns the
+recording (training mode, gradients on, :attr:`StatisticsRecorder.recording` set by the
+curvature core for a factor-update step), the forward hook turns the
 module's input into a batch A factor (or keeps the input when factors are computed in
 ``step()``) and hooks the output's gradient, which turns into a batch G factor. It counts
 forward calls and output gradients per layer and micro-batches per step, and tells its
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.layers import KFACLayer
+from kaisa.blocks import CurvatureBlock
 
 __all__ = ["StatisticsRecorder", "full_precision", "loss_scale"]
 
@@ -74,10 +75,10 @@ class StatisticsRecorder:
 
     Args:
         layers: The registered layers, in model order.
-        recording: Whether the current step records statistics (checked per forward).
         in_hook: Compute batch factors in the hooks; else keep inputs and output
             gradients for :meth:`compute_saved`.
-        grad_scaler: The ``grad_scaler`` argument (G factors are unscaled by it).
+        grad_scaler: The ``grad_scaler`` argument: output gradients are divided by its
+            loss scale unless :attr:`divisor` is set.
         accumulation_steps: Micro-batches per step.
         on_layer_done: Called with a layer whose statistics of the step are complete.
         on_backward_end: Called at the end of the last micro-batch's backward pass.
@@ -86,29 +87,30 @@ class StatisticsRecorder:
 
     def __init__(
         self,
-        layers: Mapping[str, KFACLayer],
+        layers: Mapping[str, CurvatureBlock],
         *,
-        recording: Callable[[], bool],
         in_hook: bool,
         grad_scaler: Any,
         accumulation_steps: int,
-        on_layer_done: Callable[[KFACLayer], None],
+        on_layer_done: Callable[[CurvatureBlock], None],
         on_backward_end: Callable[[], None],
         timings: MutableMapping[str, float],
     ) -> None:
         self._layers = layers
-        self._recording = recording
         self._in_hook = in_hook
         self._grad_scaler = grad_scaler
         self._accumulation_steps = accumulation_steps
         self._on_layer_done = on_layer_done
         self._on_backward_end = on_backward_end
         self._timings = timings
-        #: Whether output gradients are recorded (off for backward passes that must not
-        #: contribute G, e.g. the true-loss pass when G comes from sampled targets).
-        self.record_g = True
-        #: Backward passes per forward that record G (Monte-Carlo samples).
+        #: Whether forward passes record statistics (a factor-update step).
+        self.recording = False
+        #: Backward passes per recorded forward that record G (Monte-Carlo samples); 0
+        #: for backward passes that must not contribute G (the true loss's, when G comes
+        #: from sampled targets).
         self.g_passes = 1
+        #: What output gradients are divided by; ``None``: the grad scaler's loss scale.
+        self.divisor: float | torch.Tensor | None = None
         self._forward_calls: dict[str, int] = {}
         self._grad_calls: dict[str, int] = {}
         self._micro_batches = 0
@@ -134,7 +136,6 @@ class StatisticsRecorder:
 
     def compute_saved(self) -> None:
         """Turns kept inputs / output gradients into batch factors (``in_hook=False``)."""
-        scale = loss_scale(self._grad_scaler)
         for layer in self._layers.values():
             stats = layer.stats
             if not (stats.saved_inputs or stats.saved_grads):
@@ -142,17 +143,17 @@ class StatisticsRecorder:
             with torch.no_grad(), full_precision(layer.weight):
                 for x in stats.saved_inputs:
                     stats.add_a(layer.compute_a_batch(x))
-                for d in stats.saved_grads:
-                    stats.add_g(layer.compute_g_batch(d, scale))
+                for d, divisor in stats.saved_grads:
+                    stats.add_g(layer.compute_g_batch(d, divisor))
             stats.saved_inputs.clear()
             stats.saved_grads.clear()
 
     # ------------------------------------------------------------------ hooks
     def _forward_hook(
-        self, layer: KFACLayer
+        self, layer: CurvatureBlock
     ) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not (module.training and torch.is_grad_enabled() and self._recording()):
+            if not (module.training and torch.is_grad_enabled() and self.recording):
                 return
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
@@ -165,9 +166,9 @@ class StatisticsRecorder:
 
         return hook
 
-    def _grad_hook(self, layer: KFACLayer) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(self, layer: CurvatureBlock) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if not self.record_g:
+            if self.g_passes == 0:
                 return
             self._timed(self._record_grad, layer, grad.detach())
             if not self._in_hook:
@@ -194,22 +195,26 @@ class StatisticsRecorder:
         if self._micro_batches >= self._accumulation_steps:
             self._on_backward_end()
 
-    def _record_input(self, layer: KFACLayer, x: torch.Tensor) -> None:
+    def _record_input(self, layer: CurvatureBlock, x: torch.Tensor) -> None:
         with torch.no_grad(), full_precision(x):
             if self._in_hook:
                 layer.stats.add_a(layer.compute_a_batch(x))
             else:
                 layer.stats.saved_inputs.append(x)
 
-    def _record_grad(self, layer: KFACLayer, d: torch.Tensor) -> None:
+    def _record_grad(self, layer: CurvatureBlock, d: torch.Tensor) -> None:
+        divisor = self.divisor if self.divisor is not None else loss_scale(self._grad_scaler)
         with torch.no_grad(), full_precision(d):
             if self._in_hook:
-                layer.stats.add_g(layer.compute_g_batch(d, loss_scale(self._grad_scaler)))
+                layer.stats.add_g(layer.compute_g_batch(d, divisor))
             else:
-                layer.stats.saved_grads.append(d)
+                layer.stats.saved_grads.append((d, divisor))
 
     def _timed(
-        self, fn: Callable[[KFACLayer, torch.Tensor], None], layer: KFACLayer, t: torch.Tensor
+        self,
+        fn: Callable[[CurvatureBlock, torch.Tensor], None],
+        layer: CurvatureBlock,
+        t: torch.Tensor,
     ) -> None:
         if torch.compiler.is_compiling():  # no host timers inside a compiled graph
             fn(layer, t)

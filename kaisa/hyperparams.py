@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 __all__ = [
     "FLOAT_BOUNDS",
     "Schedule",
+    "Schedules",
     "check_bounded",
     "check_float",
     "check_int",
@@ -158,3 +159,53 @@ def scheduled_float(name: str, value: Schedule[float], step: int) -> float:
     out = evaluate(name, value, step, float)
     check_bounded(name, out)
     return out
+
+
+class Schedules:
+    """Named hyperparameters of a product, each a number or a callable of the step.
+
+    Both products keep theirs here: evaluated at a step with the checks above, replaced
+    by schedulers, and saved in checkpoints when they are numbers (a callable stays the
+    one the product was built with).
+
+    Args:
+        values: ``name -> number, callable or None``.
+    """
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = dict(values)
+
+    def names(self) -> tuple[str, ...]:
+        """The hyperparameters' names."""
+        return tuple(self._values)
+
+    def raw(self, name: str) -> Any:
+        """The value as given: a number, a callable or ``None``."""
+        return self._values[name]
+
+    def set(self, name: str, value: Any) -> None:
+        """Replaces ``name`` (validated by the caller)."""
+        self._values[name] = value
+
+    def integer(self, name: str, step: int) -> int:
+        """An integer hyperparameter at ``step`` (:func:`scheduled_int`)."""
+        return scheduled_int(name, self._values[name], step)
+
+    def real(self, name: str, step: int) -> float:
+        """A float hyperparameter at ``step`` (:func:`scheduled_float`)."""
+        return scheduled_float(name, self._values[name], step)
+
+    def optional(self, name: str, step: int) -> float | None:
+        """A float hyperparameter that may be ``None`` (disabled), at ``step``."""
+        value = self._values[name]
+        return None if value is None else scheduled_float(name, value, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The values that are not callables."""
+        return {name: v for name, v in self._values.items() if not callable(v)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores saved values, except where this product holds a callable."""
+        for name, value in self._values.items():
+            if name in state and not callable(value):
+                self._values[name] = state[name]

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from kaisa import ops
+from kaisa.dtypes import working_dtype
 from kaisa.finite import all_finite
 
 __all__ = [
     "EigenResult",
-    "compute_dtype",
     "damped_inverses",
     "eigen_decompositions",
 ]
@@ -38,11 +38,6 @@ class EigenResult:
 
     eigenvalues: torch.Tensor
     eigenvectors: torch.Tensor
-
-
-def compute_dtype(inv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype decompositions run in: ``inv_dtype`` upcast to at least float32."""
-    return torch.float64 if inv_dtype == torch.float64 else torch.float32
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
@@ -76,14 +71,14 @@ def eigen_decompositions(
     Args:
         factors: factor batches ``(B_i, n_i, n_i)`` (``None`` entries stay ``None``).
         inv_dtype: storage dtype of the results; decompositions run in
-            :func:`compute_dtype` of it.
+            :func:`kaisa.dtypes.working_dtype` of it.
         names: names for the warnings, one per factor.
 
     Returns:
         One :class:`EigenResult` (in ``inv_dtype``) or ``None`` (failed) per factor.
     """
     results: list[EigenResult | None] = [None] * len(factors)
-    dtype = compute_dtype(inv_dtype)
+    dtype = working_dtype(inv_dtype)
     for members in _size_groups(factors).values():
         sizes = [factors[i].shape[0] for i in members]  # type: ignore[union-attr]
         batch = torch.cat([factors[i] for i in members])  # type: ignore[misc]
@@ -153,7 +148,7 @@ def damped_inverses(
     Returns:
         One inverse batch (``inv_dtype``) or ``None`` (failed) per factor.
     """
-    dtype = compute_dtype(inv_dtype)
+    dtype = working_dtype(inv_dtype)
     dampings: list[torch.Tensor] = []
     for i, f in enumerate(factors):
         d = damping if isinstance(damping, (int, float)) else damping[i]

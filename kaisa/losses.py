@@ -17,15 +17,16 @@ log-likelihoods: ``loss = scale * sum_i l_i`` over ``examples`` terms.
 
 from __future__ import annotations
 
+import abc
 import enum
-from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from kaisa.enums import parse_enum
 
-__all__ = ["Loss", "LossKind", "Reduction"]
+__all__ = ["LOSSES", "CrossEntropyLoss", "Loss", "LossKind", "MSELoss", "Reduction"]
 
 
 class LossKind(enum.Enum):
@@ -42,59 +43,126 @@ class Reduction(enum.Enum):
     SUM = "sum"
 
 
-@dataclass(frozen=True)
-class Loss:
-    """A declared loss and reduction.
+class Loss(abc.ABC):
+    """A declared loss and its reduction; one subclass per loss.
 
-    Attributes:
-        kind: ``MSE`` (``F.mse_loss``) or ``CROSS_ENTROPY`` (``F.cross_entropy`` with
-            class logits in the last dimension and integer targets).
+    Build one with :meth:`Loss.of`. Attributes:
+        kind: Which loss.
         reduction: ``MEAN`` or ``SUM``.
     """
 
-    kind: LossKind
-    reduction: Reduction
+    kind: ClassVar[LossKind]
 
-    @classmethod
-    def of(cls, kind: LossKind | str, reduction: Reduction | str = Reduction.MEAN) -> Loss:
+    def __init__(self, reduction: Reduction) -> None:
+        self.reduction = reduction
+
+    @staticmethod
+    def of(kind: LossKind | str, reduction: Reduction | str = Reduction.MEAN) -> Loss:
         """Parses names (``'mse'``, ``'cross_entropy'``; ``'mean'``, ``'sum'``)."""
-        return cls(
-            parse_enum(LossKind, kind, "loss"), parse_enum(Reduction, reduction, "reduction")
-        )
+        cls = LOSSES[parse_enum(LossKind, kind, "loss")]
+        return cls(parse_enum(Reduction, reduction, "reduction"))
 
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Loss) and other.kind is self.kind
+                and other.reduction is self.reduction)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.reduction))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(reduction={self.reduction.value!r})"
+
+    @abc.abstractmethod
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss value."""
-        reduction = self.reduction.value
-        if self.kind is LossKind.MSE:
-            mse: torch.Tensor = F.mse_loss(
-                outputs, targets.reshape(outputs.shape), reduction=reduction
-            )
-            return mse
-        logits = outputs.reshape(-1, outputs.shape[-1])
-        value: torch.Tensor = F.cross_entropy(logits, targets.reshape(-1), reduction=reduction)
-        return value
 
+    @abc.abstractmethod
     def examples(self, outputs: torch.Tensor) -> int:
-        """Number of per-example terms: rows for MSE, positions for cross-entropy."""
-        if self.kind is LossKind.MSE:
-            return int(outputs.shape[0])
-        return outputs.numel() // outputs.shape[-1]
+        """Number of per-example terms ``l_i``."""
 
     def scale(self, outputs: torch.Tensor) -> float:
         """``c`` in ``loss = c * sum_i l_i`` (``l_i`` summed over an example's elements)."""
         if self.reduction is Reduction.SUM:
             return 1.0
-        return 1.0 / (outputs.numel() if self.kind is LossKind.MSE else self.examples(outputs))
+        return 1.0 / self._mean_count(outputs)
 
+    @abc.abstractmethod
+    def _mean_count(self, outputs: torch.Tensor) -> int:
+        """What the ``'mean'`` reduction divides by."""
+
+    @abc.abstractmethod
     def sample_targets(
         self, outputs: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         """Targets drawn from the model's predictive distribution at ``outputs``."""
+
+    @abc.abstractmethod
+    def gauss_newton(
+        self, outputs: torch.Tensor, ju: torch.Tensor, jv: torch.Tensor
+    ) -> torch.Tensor:
+        """``(J u)^T H (J v)``, ``H`` the loss Hessian w.r.t. the outputs (0-d, float64)."""
+
+
+class MSELoss(Loss):
+    """``F.mse_loss``: Gaussian likelihood with variance 1/2; ``H = 2 c I``."""
+
+    kind = LossKind.MSE
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss value."""
+        value: torch.Tensor = F.mse_loss(
+            outputs, targets.reshape(outputs.shape), reduction=self.reduction.value
+        )
+        return value
+
+    def examples(self, outputs: torch.Tensor) -> int:
+        """Rows."""
+        return int(outputs.shape[0])
+
+    def _mean_count(self, outputs: torch.Tensor) -> int:
+        return outputs.numel()
+
+    def sample_targets(
+        self, outputs: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """``f + N(0, 1/2)`` noise."""
         f = outputs.detach()
-        if self.kind is LossKind.MSE:
-            noise = torch.randn(f.shape, generator=generator, dtype=f.dtype, device="cpu")
-            sampled: torch.Tensor = f + noise.to(f.device) * (0.5**0.5)
-            return sampled
+        noise = torch.randn(f.shape, generator=generator, dtype=f.dtype, device="cpu")
+        sampled: torch.Tensor = f + noise.to(f.device) * (0.5**0.5)
+        return sampled
+
+    def gauss_newton(
+        self, outputs: torch.Tensor, ju: torch.Tensor, jv: torch.Tensor
+    ) -> torch.Tensor:
+        """``2 c (J u).(J v)``."""
+        return 2.0 * (ju.double() * jv.double()).sum() * self.scale(outputs)
+
+
+class CrossEntropyLoss(Loss):
+    """``F.cross_entropy`` with class logits in the last dimension and integer targets."""
+
+    kind = LossKind.CROSS_ENTROPY
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss value over every position."""
+        logits = outputs.reshape(-1, outputs.shape[-1])
+        value: torch.Tensor = F.cross_entropy(
+            logits, targets.reshape(-1), reduction=self.reduction.value
+        )
+        return value
+
+    def examples(self, outputs: torch.Tensor) -> int:
+        """Positions (every element but the class dimension)."""
+        return outputs.numel() // outputs.shape[-1]
+
+    def _mean_count(self, outputs: torch.Tensor) -> int:
+        return self.examples(outputs)
+
+    def sample_targets(
+        self, outputs: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Classes drawn from ``softmax(outputs)``."""
+        f = outputs.detach()
         probs = torch.softmax(f.reshape(-1, f.shape[-1]).float(), dim=-1).cpu()
         drawn = torch.multinomial(probs, 1, generator=generator).reshape(f.shape[:-1])
         return drawn.to(f.device)
@@ -102,12 +170,15 @@ class Loss:
     def gauss_newton(
         self, outputs: torch.Tensor, ju: torch.Tensor, jv: torch.Tensor
     ) -> torch.Tensor:
-        """``(J u)^T H (J v)``, ``H`` the loss Hessian w.r.t. the outputs (0-d, float64)."""
-        a, b = ju.double(), jv.double()
-        if self.kind is LossKind.MSE:
-            form = 2.0 * (a * b).sum()
-        else:
-            p = torch.softmax(outputs.detach().double().reshape(-1, outputs.shape[-1]), dim=-1)
-            a, b = a.reshape(p.shape), b.reshape(p.shape)
-            form = (p * a * b).sum() - ((p * a).sum(-1) * (p * b).sum(-1)).sum()
+        """``c sum_i a_i^T (diag(p_i) - p_i p_i^T) b_i``."""
+        p = torch.softmax(outputs.detach().double().reshape(-1, outputs.shape[-1]), dim=-1)
+        a, b = ju.double().reshape(p.shape), jv.double().reshape(p.shape)
+        form = (p * a * b).sum() - ((p * a).sum(-1) * (p * b).sum(-1)).sum()
         return form * self.scale(outputs)
+
+
+#: The loss class of each kind.
+LOSSES: dict[LossKind, type[Loss]] = {
+    LossKind.MSE: MSELoss,
+    LossKind.CROSS_ENTROPY: CrossEntropyLoss,
+}

@@ -1,46 +1,30 @@
-"""The K-FAC preconditioner: the public object, orchestrating the rooms of a step.
+"""The K-FAC preconditioner: kfac-pytorch's API around the curvature core.
 
-Configuration is :mod:`kaisa.config`, layers :mod:`kaisa.layers`, statistics recording
-:mod:`kaisa.hooks`, the step's distribution :mod:`kaisa.distributed.engine` (one path at
-every world size), the second-order math :mod:`kaisa.methods`, gradient write-back and
-KL clipping :mod:`kaisa.clipping`. See ``docs/architecture.md``.
+:class:`KFACPreconditioner` owns the hyperparameter schedules and the step counter, runs
+the core's phases (:class:`~kaisa.curvature.KFACCurvature`: factors, decompositions,
+preconditioning) when they are due, and writes the preconditioned gradients back with
+KL clipping (:mod:`kaisa.clipping`). See ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import re
-import time
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from fractions import Fraction
 from typing import Any
 
 import torch
 from torch import nn
 
+from kaisa.blocks import CurvatureBlock
 from kaisa.clipping import write_preconditioned
 from kaisa.config import HYPERPARAMETERS, KFACConfig
-from kaisa.distributed import (
-    LARGE_FACTOR_DIM,
-    Communicator,
-    DistributedEngine,
-    FactorSize,
-    MemoryEstimate,
-    Placement,
-)
+from kaisa.curvature import KFACCurvature
+from kaisa.distributed import Communicator, FactorSize, MemoryEstimate, Placement
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
-from kaisa.hooks import StatisticsRecorder
-from kaisa.hyperparams import Schedule, scheduled_float, scheduled_int
-from kaisa.layers import KFACLayer, register_layers
-from kaisa.methods import make_method
+from kaisa.hyperparams import Schedule, Schedules
 
 __all__ = ["KFACPreconditioner"]
-
-logger = logging.getLogger("kaisa")
-
-TIMING_KEYS = ("factors", "communication", "decompositions", "preconditioning")
 
 
 class KFACPreconditioner:
@@ -100,46 +84,10 @@ class KFACPreconditioner:
         self._config = config = KFACConfig(**{k: arguments[k] for k in KFACConfig.keywords()})
         self._model = model
         # The hyperparameter schedules (checkpoints restore the non-callable ones).
-        self._schedules: dict[str, Any] = {name: getattr(config, name) for name in HYPERPARAMETERS}
+        self._schedules = Schedules({name: getattr(config, name) for name in HYPERPARAMETERS})
         self._steps = 0
-        self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
-        self._warned_silent: set[str] = set()
-
-        self._layers = register_layers(
-            model, skip=config.skip_patterns, factor_dtype=config.factor_dtype
-        )
-        if not self._layers:
-            raise ValueError(
-                "model has no supported layer to precondition (nn.Linear, nn.Conv2d with "
-                "trainable weights, not matched by skip_layers)"
-            )
-        self._method = make_method(
-            config.compute_method, outer_product=config.compute_eigenvalue_outer_product
-        )
-        for layer in self._layers.values():
-            layer.method = self._method
-        self._engine = DistributedEngine(
-            self._layers, config, self._method, timings=self._timings
-        )
-        self._recorder = StatisticsRecorder(
-            self._layers,
-            recording=lambda: self._steps % self.factor_update_steps == 0,
-            in_hook=config.update_factors_in_hook,
-            grad_scaler=config.grad_scaler,
-            accumulation_steps=config.accumulation_steps,
-            on_layer_done=self._engine.layer_done,
-            on_backward_end=self._engine.backward_end,
-            timings=self._timings,
-        )
-        for f in self.factor_sizes():
-            if f.dim > LARGE_FACTOR_DIM:
-                warnings.warn(_large_factor_message(f), RuntimeWarning, stacklevel=2)
-        logger.log(
-            loglevel,
-            "kaisa: registered %d layers: %s",
-            len(self._layers),
-            ", ".join(f"{n} ({type(la.module).__name__})" for n, la in self._layers.items()),
-        )
+        self._curvature = KFACCurvature(model, config, stacklevel=2)
+        self._arm()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -150,35 +98,32 @@ class KFACPreconditioner:
     @property
     def factor_update_steps(self) -> int:
         """Steps between factor updates, at the current step."""
-        return scheduled_int(
-            "factor_update_steps", self._schedules["factor_update_steps"], self._steps
-        )
+        return self._schedules.integer("factor_update_steps", self._steps)
 
     @property
     def inv_update_steps(self) -> int:
         """Steps between decomposition updates, at the current step."""
-        return scheduled_int("inv_update_steps", self._schedules["inv_update_steps"], self._steps)
+        return self._schedules.integer("inv_update_steps", self._steps)
 
     @property
     def damping(self) -> float:
         """Damping at the current step."""
-        return scheduled_float("damping", self._schedules["damping"], self._steps)
+        return self._schedules.real("damping", self._steps)
 
     @property
     def factor_decay(self) -> float:
         """Running-average decay ``rho`` at the current step."""
-        return scheduled_float("factor_decay", self._schedules["factor_decay"], self._steps)
+        return self._schedules.real("factor_decay", self._steps)
 
     @property
     def kl_clip(self) -> float | None:
         """KL-clip threshold at the current step (``None`` disables clipping)."""
-        value = self._schedules["kl_clip"]
-        return None if value is None else scheduled_float("kl_clip", value, self._steps)
+        return self._schedules.optional("kl_clip", self._steps)
 
     @property
     def lr(self) -> float:
         """Learning rate used by KL clipping, at the current step."""
-        return scheduled_float("lr", self._schedules["lr"], self._steps)
+        return self._schedules.real("lr", self._steps)
 
     def schedule(self, name: str) -> Any:
         """The raw value of hyperparameter ``name``: a number, a callable or ``None``.
@@ -190,9 +135,9 @@ class KFACPreconditioner:
         Raises:
             ValueError: For another name.
         """
-        if name not in self._schedules:
+        if name not in HYPERPARAMETERS:
             raise ValueError(f"unknown hyperparameter {name!r}; expected one of {HYPERPARAMETERS}")
-        return self._schedules[name]
+        return self._schedules.raw(name)
 
     def set_schedule(self, name: str, value: Any) -> None:
         """Replaces hyperparameter ``name`` (a number or a callable of the step).
@@ -209,7 +154,8 @@ class KFACPreconditioner:
         """
         self.schedule(name)
         KFACConfig(**{name: value})  # validates exactly like the constructor
-        self._schedules[name] = value
+        self._schedules.set(name, value)
+        self._arm()
 
     @property
     def accumulation_steps(self) -> int:
@@ -229,7 +175,7 @@ class KFACPreconditioner:
     @property
     def grad_worker_fraction(self) -> float:
         """Fraction of ranks that are gradient workers for each layer (1 at world size 1)."""
-        return float(self._engine.grid.fraction)
+        return self._curvature.grad_worker_fraction
 
     @property
     def distributed_strategy(self) -> DistributedStrategy | float | str:
@@ -239,27 +185,34 @@ class KFACPreconditioner:
     @property
     def placement(self) -> Placement:
         """Which rank computes and broadcasts each layer's decompositions and gradient."""
-        return self._engine.placement
+        return self._curvature.placement
 
     @property
     def rank(self) -> int:
         """This process's rank (0 without torch.distributed)."""
-        return self._engine.rank
+        return self._curvature.rank
 
     @property
     def world_size(self) -> int:
         """Number of ranks sharing the K-FAC work (1 without torch.distributed)."""
-        return self._engine.world_size
+        return self._curvature.world_size
 
     @property
     def config(self) -> KFACConfig:
-        """The validated configuration."""
-        return self._config
+        """The validated configuration, with the hyperparameters as they are now."""
+        return dataclasses.replace(
+            self._config, **{n: self._schedules.raw(n) for n in HYPERPARAMETERS}
+        )
+
+    @property
+    def curvature(self) -> KFACCurvature:
+        """The curvature core this preconditioner drives."""
+        return self._curvature
 
     @property
     def communicator(self) -> Communicator:
         """The communicator (its ``stats`` count bytes sent and time waited)."""
-        return self._engine.communicator
+        return self._curvature.communicator
 
     @property
     def factor_dtype(self) -> torch.dtype | None:
@@ -272,33 +225,23 @@ class KFACPreconditioner:
         return self._config.inv_dtype
 
     @property
-    def layers(self) -> dict[str, KFACLayer]:
-        """Registered layers by module name."""
-        return dict(self._layers)
+    def layers(self) -> dict[str, CurvatureBlock]:
+        """Registered layers (the core's curvature blocks) by module name."""
+        return self._curvature.blocks
 
     @property
     def timings(self) -> dict[str, float]:
         """Cumulative host seconds by phase (on CUDA, launch time unless synchronised)."""
-        return dict(self._timings)
+        return self._curvature.timings
 
     def reset_timings(self) -> None:
-        """Zero :attr:`timings` (in place: the engine and the hooks add to the same dict)."""
-        for key in self._timings:
-            self._timings[key] = 0.0
+        """Zero :attr:`timings`."""
+        self._curvature.reset_timings()
 
     @property
     def skipped_factor_updates(self) -> int:
         """Per-batch factors not folded in because they were non-finite (syncs once)."""
-        counts = [
-            t
-            for la in self._layers.values()
-            for t in (la.factors.skipped_a, la.factors.skipped_g)
-            if t is not None
-        ]
-        if not counts:
-            return 0
-        total = torch.stack([c.to("cpu", non_blocking=False) for c in counts]).sum()
-        return int(total.item())
+        return self._curvature.skipped_factor_updates
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -307,18 +250,17 @@ class KFACPreconditioner:
         Call after ``loss.backward()`` (after ``scaler.unscale_(optimizer)`` with AMP) and
         before ``optimizer.step()``.
         """
-        steps = self._steps
+        curvature, steps = self._curvature, self._steps
         if steps % self.factor_update_steps == 0:
-            with self._timed("factors"):
-                self._update_factors(self.factor_decay)
+            curvature.update_factors(self.factor_decay)
         if steps % self.inv_update_steps == 0:
-            with self._timed("decompositions"):
-                self._engine.update_decompositions(self.damping)
-        with self._timed("preconditioning"):
-            pairs = self._engine.preconditioned_gradients(self.damping)
-            write_preconditioned(pairs, kl_clip=self.kl_clip, lr=self.lr)
+            curvature.update_decompositions(self.damping)
+        preconditioned = curvature.precondition(self.damping)
+        with curvature.timed("preconditioning"):
+            write_preconditioned(preconditioned, kl_clip=self.kl_clip, lr=self.lr)
         self._steps += 1
-        self._recorder.end_step()
+        curvature.end_step()
+        self._arm()
 
     def discard_step(self) -> None:
         """Forgets what the hooks recorded since the last :meth:`step` (no step follows).
@@ -327,34 +269,11 @@ class KFACPreconditioner:
         statistics do not leak into the next step's factors. Call it on every rank, before
         any backward pass of the abandoned step.
         """
-        for layer in self._layers.values():
-            layer.stats.take()
-            layer.stats.saved_inputs.clear()
-            layer.stats.saved_grads.clear()
-        self._recorder.end_step()
+        self._curvature.discard()
 
-    def _update_factors(self, rho: float) -> None:
-        """Averages the step's batch factors over ranks, then folds them in."""
-        self._recorder.compute_saved()
-        recorded = False
-        for name, (a_batch, g_batch) in self._engine.averaged_factors().items():
-            self._layers[name].factors.fold(a_batch, g_batch, rho)
-            recorded = recorded or a_batch is not None or g_batch is not None
-        if recorded:
-            self._warn_silent_layers()
-
-    def _warn_silent_layers(self) -> None:
-        for name, layer in self._layers.items():
-            if layer.a is None and layer.g is None and name not in self._warned_silent:
-                self._warned_silent.add(name)
-                msg = (
-                    f"kaisa: the hooks of registered layer {name!r} "
-                    f"({type(layer.module).__name__}) did not fire (is it called "
-                    "functionally, like nn.MultiheadAttention.out_proj?); it is left "
-                    "unpreconditioned until they do"
-                )
-                warnings.warn(msg, RuntimeWarning, stacklevel=4)
-                logger.warning(msg)
+    def _arm(self) -> None:
+        """Tells the core whether the coming forward passes record statistics."""
+        self._curvature.recording = self._steps % self.factor_update_steps == 0
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
@@ -363,12 +282,9 @@ class KFACPreconditioner:
         Args:
             include_factors: include per-layer factors and decompositions.
         """
-        state: dict[str, Any] = {"steps": self._steps}
-        for name, value in self._schedules.items():
-            if not callable(value):
-                state[name] = value
+        state: dict[str, Any] = {"steps": self._steps, **self._schedules.state_dict()}
         if include_factors:
-            state["layers"] = {n: la.state_dict() for n, la in self._layers.items()}
+            state["layers"] = self._curvature.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
@@ -387,30 +303,14 @@ class KFACPreconditioner:
             raise ValueError("state_dict has no 'steps' entry; not a kaisa state dict")
         layers = state_dict.get("layers")
         if layers is not None:
-            missing = set(self._layers) - set(layers)
-            extra = set(layers) - set(self._layers)
-            if missing or extra:
-                raise ValueError(
-                    "state_dict layers do not match the registered layers: "
-                    f"missing {sorted(missing)}, unexpected {sorted(extra)}"
-                )
+            self._curvature.check_state_dict(layers)
         self._steps = int(state_dict["steps"])
-        for name in HYPERPARAMETERS:
-            if name in state_dict and not callable(self._schedules[name]):
-                self._schedules[name] = state_dict[name]
-        if layers is None:
-            return
-        for name, layer in self._layers.items():
-            layer.load_state_dict(layers[name])
-            if not self._engine.is_grad_worker(name):
-                layer.decomposition.clear()
-        need = any(
-            la.a is not None and not la.has_decomposition() and self._engine.is_grad_worker(name)
-            for name, la in self._layers.items()
-        )
-        need = self._engine.any_rank(need)  # every rank takes part in the broadcasts
-        if compute_inverses and need:
-            self._engine.update_decompositions(self.damping)
+        self._schedules.load_state_dict(state_dict)
+        self._arm()
+        if layers is not None:
+            self._curvature.load_state_dict(
+                layers, damping=self.damping, compute_inverses=compute_inverses
+            )
 
     def memory_estimates(self) -> dict[Fraction, MemoryEstimate]:
         """Modelled per-rank K-FAC memory for every valid ``grad_worker_fraction``.
@@ -422,11 +322,11 @@ class KFACPreconditioner:
         Returns:
             ``fraction -> estimate``, largest fraction (least communication) first.
         """
-        return self._engine.memory_estimates()
+        return self._curvature.memory_estimates()
 
     def factor_sizes(self) -> list[FactorSize]:
         """Every factor's dimension, memory and decomposition cost, largest first."""
-        return self._engine.factor_sizes()
+        return self._curvature.factor_sizes()
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank by kind, plus ``'total'``.
@@ -435,35 +335,11 @@ class KFACPreconditioner:
         of them with COMM-OPT, its own with MEM-OPT); ``buffers`` includes batch factors
         held until the next :meth:`step`.
         """
-        usage = {"factors": 0, "decompositions": 0, "buffers": 0}
-        for layer in self._layers.values():
-            for key, value in layer.memory_usage().items():
-                usage[key] += value
-        usage["total"] = sum(usage.values())
-        return usage
-
-    @contextmanager
-    def recording_g(self, enabled: bool, *, passes: int = 1) -> Iterator[None]:
-        """Whether backward passes inside the block record G factors.
-
-        :class:`kaisa.KFAC` records G from sampled targets (``passes`` backward passes per
-        forward, one per Monte-Carlo sample) and not from the true loss's backward.
-
-        Args:
-            enabled: Record output gradients in the block.
-            passes: Backward passes per recorded forward in the block.
-        """
-        recorder = self._recorder
-        previous = (recorder.record_g, recorder.g_passes)
-        recorder.record_g, recorder.g_passes = enabled, passes
-        try:
-            yield
-        finally:
-            recorder.record_g, recorder.g_passes = previous
+        return self._curvature.memory_usage()
 
     def remove_hooks(self) -> None:
         """Detach the preconditioner from the model's modules."""
-        self._recorder.remove()
+        self._curvature.remove_hooks()
 
     def __repr__(self) -> str:
         def show(value: object) -> str:
@@ -471,10 +347,10 @@ class KFACPreconditioner:
 
         args, fraction = self._config, self._config.grad_worker_fraction
         fields = {
-            "layers": len(self._layers),
+            "layers": len(self._curvature.blocks),
             "steps": self._steps,
             "compute_method": args.compute_method.value,
-            **{name: show(value) for name, value in self._schedules.items()},
+            **{name: show(self._schedules.raw(name)) for name in HYPERPARAMETERS},
             "accumulation_steps": args.accumulation_steps,
             "grad_worker_fraction": (
                 fraction.name if isinstance(fraction, DistributedStrategy) else repr(fraction)
@@ -484,24 +360,3 @@ class KFACPreconditioner:
         }
         body = ",\n".join(f"  {k}={v}" for k, v in fields.items())
         return f"{type(self).__name__}(\n{body},\n)"
-
-    # ------------------------------------------------------------------ helpers
-    @contextmanager
-    def _timed(self, key: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._timings[key] += time.perf_counter() - start
-
-
-def _large_factor_message(f: FactorSize) -> str:
-    """The warning for a factor above :data:`~kaisa.distributed.LARGE_FACTOR_DIM`."""
-    blocks = f" x {f.blocks} groups" if f.blocks > 1 else ""
-    return (
-        f"kaisa: layer {f.layer!r} has a {f.dim}x{f.dim}{blocks} {f.side} factor: about "
-        f"{f.nbytes / 2**20:.0f} MB (running and batch factor, decomposition) and "
-        f"{f.gflop:.0f} GFLOP per decomposition (every inv_update_steps steps), likely most "
-        f"of each step. Leave it out with skip_layers=[{('^' + re.escape(f.layer) + '$')!r}] "
-        "or make the layer smaller"
-    )

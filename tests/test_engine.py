@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from kaisa.blocks import CurvatureBlock, register_blocks
 from kaisa.config import KFACConfig
 from kaisa.distributed import DistributedEngine, LocalCommunicator
-from kaisa.layers import KFACLayer, register_layers
 from kaisa.methods import SecondOrderMethod, make_method
 from tests.support.explicit import kron_solve
 from tests.support.fakes import Call, FakeCommunicator
@@ -26,13 +26,13 @@ def _spd(n: int, seed: int) -> torch.Tensor:
 
 def _setup(
     method_name: str = "inverse", **config: object
-) -> tuple[dict[str, KFACLayer], KFACConfig, SecondOrderMethod]:
+) -> tuple[dict[str, CurvatureBlock], KFACConfig, SecondOrderMethod]:
     torch.manual_seed(0)
     # factor sizes all distinct (A: 5, 8, 4; G: 7, 3, 2): the scripted peer finds by shape
     model = nn.Sequential(nn.Linear(5, 7, bias=False), nn.Linear(7, 3), nn.Linear(3, 2))
     cfg = KFACConfig(compute_method=method_name, inv_dtype=torch.float64, **config)
     method = make_method(cfg.compute_method, outer_product=cfg.compute_eigenvalue_outer_product)
-    layers = register_layers(model)
+    layers = register_blocks(model)
     for i, layer in enumerate(layers.values()):
         layer.method = method
         a_dim, g_dim = layer.dims
@@ -43,9 +43,18 @@ def _setup(
     return layers, cfg, method
 
 
-def _explicit(layer: KFACLayer) -> torch.Tensor:
+def _precondition(
+    engine: DistributedEngine, layers: dict[str, CurvatureBlock]
+) -> list[tuple[CurvatureBlock, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The engine's results for the layers' ``.grad`` as ``(layer, grad, P, valid)``."""
+    grads = {name: layer.gradient_matrix() for name, layer in layers.items()}
+    out = engine.precondition({n: g for n, g in grads.items() if g is not None}, DAMPING)
+    return [(e.block, e.grad, e.direction, e.valid) for e in out]
+
+
+def _explicit(layer: CurvatureBlock) -> torch.Tensor:
     """(G + damping I)^-1 grad (A + damping I)^-1: the inverse method's damping."""
-    grad = layer.grad_matrix()
+    grad = layer.gradient_matrix()
     assert grad is not None and layer.a is not None and layer.g is not None
     eye_a, eye_g = torch.eye(layer.a.shape[-1]), torch.eye(layer.g.shape[-1])
     a_inv = torch.linalg.inv(layer.a[0] + DAMPING * eye_a)
@@ -55,10 +64,10 @@ def _explicit(layer: KFACLayer) -> torch.Tensor:
 
 def test_single_rank_is_the_same_path_with_a_local_communicator() -> None:
     layers, cfg, method = _setup("eigen", kl_clip=None)
-    engine = DistributedEngine(layers, cfg, method, communicator=LocalCommunicator())
+    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=LocalCommunicator())
     assert engine.world_size == 1 and all(engine.is_grad_worker(n) for n in layers)
     engine.update_decompositions(DAMPING)
-    out = engine.preconditioned_gradients(DAMPING)
+    out = _precondition(engine, layers)
     assert [entry[0].name for entry in out] == list(layers)  # model order
     for layer, grad, precond, valid in out:
         assert valid is None
@@ -83,14 +92,14 @@ def test_comm_opt_rank_decomposes_its_share_and_installs_what_it_receives() -> N
         raise AssertionError(f"unexpected payload shape {call.shape}")
 
     comm = FakeCommunicator(rank=0, world_size=2, peer=peer)
-    engine = DistributedEngine(layers, cfg, method, communicator=comm)
+    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm)
     computed_here = engine.placement.computed_by(0)
     assert 0 < len(computed_here) < 2 * len(layers)  # both ranks have work
     engine.update_decompositions(DAMPING)
     sent = comm.sent("decompositions")
     assert len(sent) == len(computed_here)
     assert all(c.group == (0, 1) and not c.symmetric for c in sent)
-    for layer, grad, precond, valid in engine.preconditioned_gradients(DAMPING):
+    for layer, grad, precond, valid in _precondition(engine, layers):
         assert valid is None  # every rank is a gradient worker: nothing received
         torch.testing.assert_close(precond, _explicit(layer), rtol=1e-8, atol=1e-8)
         assert grad.shape == precond.shape
@@ -99,12 +108,12 @@ def test_comm_opt_rank_decomposes_its_share_and_installs_what_it_receives() -> N
 def test_failed_source_without_a_result_leaves_the_layer_unpreconditioned() -> None:
     layers, cfg, method = _setup("inverse")
     comm = FakeCommunicator(rank=0, world_size=2, peer=lambda c, b: b.fill_(float("nan")))
-    engine = DistributedEngine(layers, cfg, method, communicator=comm)
+    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm)
     engine.update_decompositions(DAMPING)
     remote = {name for name, _ in engine.placement.computed_by(1)}
     for name, layer in layers.items():
         assert layer.has_decomposition() == (name not in remote)
-    out = {entry[0].name for entry in engine.preconditioned_gradients(DAMPING)}
+    out = {entry[0].name for entry in _precondition(engine, layers)}
     assert out == set(layers) - remote
 
 
@@ -112,7 +121,7 @@ def test_failed_source_without_a_result_leaves_the_layer_unpreconditioned() -> N
 def test_symmetry_aware_marks_only_symmetric_payloads(method_name: str, symmetric: bool) -> None:
     layers, cfg, method = _setup(method_name, symmetry_aware=True)
     comm = FakeCommunicator(rank=1, world_size=2, peer=lambda c, b: b.copy_(_identity_like(b)))
-    DistributedEngine(layers, cfg, method, communicator=comm).update_decompositions(DAMPING)
+    DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm).update_decompositions(DAMPING)
     calls = [c for c in comm.calls if c.kind == "decompositions"]
     assert calls
     # eigen sends [Q, d] (never symmetric); inverse sends [F^-1] (symmetric)
@@ -133,10 +142,10 @@ def test_mem_opt_receives_gradients_of_layers_it_does_not_own() -> None:
         buf.fill_(3.0)  # the preconditioned gradient, and a valid flag (> 0) last
 
     comm = FakeCommunicator(rank=0, world_size=2, peer=peer)
-    engine = DistributedEngine(layers, cfg, method, communicator=comm)
+    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm)
     engine.update_decompositions(DAMPING)
     assert not [c for c in comm.calls if c.kind == "decompositions" and len(c.group) > 1]
-    out = engine.preconditioned_gradients(DAMPING)
+    out = _precondition(engine, layers)
     assert [entry[0].name for entry in out] == list(layers)
     owned = set(engine.placement.held_by(0))
     assert owned and owned != set(layers)
@@ -148,14 +157,14 @@ def test_mem_opt_receives_gradients_of_layers_it_does_not_own() -> None:
             assert torch.equal(precond, torch.full_like(grad, 3.0)) and bool(valid)
     sent = comm.sent("gradients")
     assert len(sent) == len(owned)
-    assert all(c.shape == (layers[n].grad_matrix().numel() + 1,)  # type: ignore[union-attr]
+    assert all(c.shape == (layers[n].gradient_matrix().numel() + 1,)  # type: ignore[union-attr]
                for c, n in zip(sent, [n for n in layers if n in owned], strict=True))
 
 
 def test_factor_allreduce_starts_once_per_layer_with_statistics() -> None:
     layers, cfg, method = _setup("eigen")
     comm = FakeCommunicator(rank=0, world_size=2)
-    engine = DistributedEngine(layers, cfg, method, communicator=comm)
+    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm)
     first, second, third = layers.values()
     first.stats.add_a(torch.ones(1, 5, 5))
     first.stats.add_a(3 * torch.ones(1, 5, 5))

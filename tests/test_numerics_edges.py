@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import kaisa
-from kaisa.layers import RunningFactors
+from kaisa.blocks import RunningFactors
 
 
 def _model() -> nn.Module:
@@ -69,16 +69,17 @@ def test_finite_factor_near_float32_max_is_folded() -> None:
 
 
 def test_finite_preconditioned_gradient_with_huge_entries_is_written() -> None:
+    from kaisa.blocks import Preconditioned
     from kaisa.clipping import write_preconditioned
 
     model = nn.Linear(3, 2, bias=False)
     pre = kaisa.KFACPreconditioner(model, kl_clip=None)
     layer = pre.layers[""]
     model.weight.grad = torch.ones_like(model.weight)
-    grad = layer.grad_matrix()
+    grad = layer.gradient_matrix()
     assert grad is not None
     huge = torch.full_like(grad, 2e38)  # finite, sum overflows float32
-    write_preconditioned([(layer, grad, huge, None)], kl_clip=None, lr=0.1)
+    write_preconditioned([Preconditioned(layer, grad, huge)], kl_clip=None, lr=0.1)
     assert torch.equal(model.weight.grad, torch.full_like(model.weight, 2e38))
 
 

@@ -1,6 +1,6 @@
 """Distributed K-FAC: KAISA strategies, placement, fused communication and the engine."""
 
-from kaisa.distributed.engine import DistributedEngine, PreconditionedGradient
+from kaisa.distributed.engine import DistributedEngine
 from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.memory import (
     LARGE_FACTOR_DIM,
@@ -38,7 +38,6 @@ __all__ = [
     "LocalCommunicator",
     "MemoryEstimate",
     "Placement",
-    "PreconditionedGradient",
     "TorchDistCommunicator",
     "WorkerGrid",
     "choose_fraction",

@@ -11,7 +11,7 @@ code runs with no communication. At fixed points of a step it
   results to each layer's gradient workers (:meth:`~DistributedEngine.update_decompositions`);
 * has the gradient workers precondition and, where some ranks are not gradient
   workers (MEM-OPT, HYBRID-OPT), broadcast the preconditioned gradients
-  (:meth:`~DistributedEngine.preconditioned_gradients`).
+  (:meth:`~DistributedEngine.precondition`).
 
 It moves payloads; the math is the second-order method's
 (:class:`~kaisa.methods.SecondOrderMethod`), the statistics are the hooks'
@@ -26,12 +26,13 @@ import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from fractions import Fraction
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 
-from kaisa.config import KFACConfig
+from kaisa.blocks import CurvatureBlock, Preconditioned
+from kaisa.config import DistributedConfig
 from kaisa.distributed.memory import (
     FactorSize,
     MemoryEstimate,
@@ -44,28 +45,23 @@ from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.protocol import CommHandle, Communicator
 from kaisa.distributed.strategy import WorkerGrid, resolve_grad_workers, valid_fractions
 from kaisa.distributed.torch_comm import make_communicator
+from kaisa.enums import Side
 from kaisa.finite import all_finite
-from kaisa.layers import KFACLayer
 from kaisa.methods import Damping, Payload, SecondOrderMethod
 
-__all__ = ["DistributedEngine", "PreconditionedGradient"]
+__all__ = ["DistributedEngine"]
 
 logger = logging.getLogger("kaisa")
 
-#: ``(layer, gradient, preconditioned gradient, validity flag or None)``.
-PreconditionedGradient: TypeAlias = tuple[
-    KFACLayer, torch.Tensor, torch.Tensor, torch.Tensor | None
-]
-
-_Key: TypeAlias = tuple[str, str]  # (layer name, 'A' | 'G')
+_Key: TypeAlias = tuple[str, Side]  # (block name, side)
 
 
 class DistributedEngine:
     """Distribution of the K-FAC work of one preconditioner over ranks.
 
     Args:
-        layers: The registered layers, in model order (the same on every rank).
-        config: The preconditioner's configuration.
+        layers: The curvature blocks, in model order (the same on every rank).
+        config: The distributed configuration.
         method: The second-order method.
         communicator: The communicator; by default a
             :class:`~kaisa.distributed.TorchDistCommunicator` when ``torch.distributed``
@@ -80,8 +76,8 @@ class DistributedEngine:
 
     def __init__(
         self,
-        layers: Mapping[str, KFACLayer],
-        config: KFACConfig,
+        layers: Mapping[str, CurvatureBlock],
+        config: DistributedConfig,
         method: SecondOrderMethod,
         *,
         communicator: Communicator | None = None,
@@ -98,11 +94,13 @@ class DistributedEngine:
         else:
             self._rank, self._world = 0, 1
         self._layer_dims = {name: layer.dims for name, layer in layers.items()}
-        # Factor dtype when ``factor_dtype`` is None: the weights', at least float32.
-        factor_dtype = config.factor_dtype or torch.promote_types(
-            next(iter(layers.values())).weight.dtype, torch.float32
-        )
-        self._itemsize = torch.empty((), dtype=factor_dtype).element_size()
+        # What the memory model needs besides the grid (placement and sizes use it too).
+        self._sizes: dict[str, Any] = {
+            "method": method,
+            "itemsize": config.factor_dtype.itemsize,
+            "inv_itemsize": config.inv_dtype.itemsize,
+            "layer_groups": {name: layer.groups for name, layer in layers.items()},
+        }
         self._grid = WorkerGrid(self._world, self._resolve_grad_workers())
         self._placement = place_layers(
             self._layer_dims, self._grid, config.assignment_strategy, config.colocate_factors
@@ -126,12 +124,9 @@ class DistributedEngine:
         return estimate_memory(
             self._layer_dims,
             grid,
-            method=self._method,
-            itemsize=self._itemsize,
-            inv_itemsize=torch.empty((), dtype=cfg.inv_dtype).element_size(),
-            layer_groups={name: layer.groups for name, layer in self._layers.items()},
             assignment_strategy=cfg.assignment_strategy,
             colocate_factors=cfg.colocate_factors,
+            **self._sizes,
         )
 
     def _resolve_grad_workers(self) -> int:
@@ -201,20 +196,14 @@ class DistributedEngine:
 
     def factor_sizes(self) -> list[FactorSize]:
         """Every factor's memory and decomposition cost, largest first."""
-        return factor_sizes(
-            self._layer_dims,
-            method=self._method,
-            itemsize=self._itemsize,
-            inv_itemsize=torch.empty((), dtype=self._config.inv_dtype).element_size(),
-            layer_groups={name: layer.groups for name, layer in self._layers.items()},
-        )
+        return factor_sizes(self._layer_dims, **self._sizes)
 
     # ------------------------------------------------------------------ factors
-    def layer_done(self, layer: KFACLayer) -> None:
+    def layer_done(self, layer: CurvatureBlock) -> None:
         """Starts averaging ``layer``'s batch factors unless started or nothing recorded."""
         if layer.name in self._pending_factors or not layer.stats.has_factors:
             return
-        a_batch, g_batch = layer.take_batch_factors()
+        a_batch, g_batch = layer.stats.take()
         sym = self._config.symmetry_aware
         self._pending_factors[layer.name] = (
             None if a_batch is None else self._comm.allreduce_mean(a_batch, symmetric=sym),
@@ -261,12 +250,12 @@ class DistributedEngine:
             return
         computed = self._decompose_assigned(layers, damping)
         sym = self._config.symmetry_aware
-        pending: list[tuple[KFACLayer, str, int, list[CommHandle]]] = []
+        pending: list[tuple[CurvatureBlock, Side, int, list[CommHandle]]] = []
         for la in layers:
             lp = self._placement[la.name]
             if self._rank not in lp.grad_workers:
                 continue
-            for side, src in (("A", lp.a_rank), ("G", lp.g_rank)):
+            for side, src in ((Side.A, lp.a_rank), (Side.G, lp.g_rank)):
                 tensors = self._payload(la, side, src, computed)
                 handles = [
                     self._comm.broadcast(t, src, lp.grad_workers, symmetric=sym and flag)
@@ -285,17 +274,17 @@ class DistributedEngine:
                 else:
                     received[(la.name, side)] = got
         for la in layers:
-            if (la.name, "A") in received:
+            if (la.name, Side.A) in received:
                 self._method.install(
-                    la.decomposition, received[(la.name, "A")], received[(la.name, "G")],
+                    la.decomposition, received[(la.name, Side.A)], received[(la.name, Side.G)],
                     damping=damping,
                 )
 
     def _decompose_assigned(
-        self, layers: Sequence[KFACLayer], damping: float
+        self, layers: Sequence[CurvatureBlock], damping: float
     ) -> dict[_Key, Payload | None]:
         """Decomposes the factors the placement assigns to this rank, in one batch."""
-        mine: list[tuple[KFACLayer, str, Damping]] = []
+        mine: list[tuple[CurvatureBlock, Side, Damping]] = []
         for la in layers:
             lp = self._placement[la.name]
             if self._rank not in (lp.a_rank, lp.g_rank):
@@ -303,16 +292,16 @@ class DistributedEngine:
             assert la.a is not None and la.g is not None
             damping_a, damping_g = self._method.factor_damping(la.a, la.g, damping)
             if lp.a_rank == self._rank:
-                mine.append((la, "A", damping_a))
+                mine.append((la, Side.A, damping_a))
             if lp.g_rank == self._rank:
-                mine.append((la, "G", damping_g))
+                mine.append((la, Side.G, damping_g))
         if not mine:
             return {}
         results = self._method.decompose(
-            [la.a if side == "A" else la.g for la, side, _ in mine],  # type: ignore[misc]
+            [la.a if side is Side.A else la.g for la, side, _ in mine],  # type: ignore[misc]
             damping=[d for _, _, d in mine],
             inv_dtype=self._config.inv_dtype,
-            names=[f"{la.name}.{side}" for la, side, _ in mine],
+            names=[f"{la.name}.{side.value}" for la, side, _ in mine],
         )
         return {
             (la.name, side): None if res is None else self._as_received(res)
@@ -334,10 +323,11 @@ class DistributedEngine:
         return out
 
     def _payload(
-        self, layer: KFACLayer, side: str, src: int, computed: Mapping[_Key, Payload | None]
+        self, layer: CurvatureBlock, side: Side, src: int,
+        computed: Mapping[_Key, Payload | None],
     ) -> Payload:
         """Tensors broadcast for one factor: the data on ``src``, buffers elsewhere."""
-        factor = layer.a if side == "A" else layer.g
+        factor = layer.a if side is Side.A else layer.g
         assert factor is not None
         shapes = self._method.payload_shapes(factor.shape[0], factor.shape[-1])
         dtype, device = self._config.inv_dtype, factor.device
@@ -349,25 +339,29 @@ class DistributedEngine:
         return [torch.full(s, float("nan"), dtype=dtype, device=device) for s in shapes]
 
     # ------------------------------------------------------------------ gradients
-    def preconditioned_gradients(self, damping: float) -> list[PreconditionedGradient]:
-        """Every layer's preconditioned gradient on every rank.
+    def precondition(
+        self, gradients: Mapping[str, torch.Tensor], damping: float
+    ) -> list[Preconditioned]:
+        """Every block's preconditioned gradient matrix on every rank.
 
-        Gradient workers precondition; where a layer has receivers (ranks that are not
+        Gradient workers precondition; where a block has receivers (ranks that are not
         its gradient workers), its worker broadcasts ``[P.flatten(), valid]`` to them.
 
         Args:
+            gradients: ``name -> gradient matrix`` of the blocks that have one (the same
+                on every rank).
             damping: The current damping.
 
         Returns:
-            One entry per layer with a gradient and a result, in model order.
+            One entry per block with a gradient and a result, in model order.
         """
         rank, method = self._rank, self._method
-        # Model order: a finished entry, or (layer, grad, buffer, handle) to wait for.
-        slots: list[PreconditionedGradient | tuple[KFACLayer, torch.Tensor, torch.Tensor,
-                                                   CommHandle]] = []
+        # Model order: a finished entry, or (block, grad, buffer, handle) to wait for.
+        slots: list[Preconditioned | tuple[CurvatureBlock, torch.Tensor, torch.Tensor,
+                                           CommHandle]] = []
         waiting = False
         for layer in self._layers.values():
-            grad = layer.grad_matrix()
+            grad = gradients.get(layer.name)
             if grad is None:
                 continue
             lp = self._placement[layer.name]
@@ -375,7 +369,7 @@ class DistributedEngine:
                 precond = method.precondition(layer.decomposition, grad, damping)
                 if not lp.grad_receivers[rank]:
                     if precond is not None:
-                        slots.append((layer, grad, precond, None))
+                        slots.append(Preconditioned(layer, grad, precond))
                     continue
                 buf = grad.new_zeros(grad.numel() + 1)
                 if precond is not None:
@@ -393,14 +387,15 @@ class DistributedEngine:
         if not waiting:
             return slots  # type: ignore[return-value]
         self._comm.flush()
-        out: list[PreconditionedGradient] = []
+        out: list[Preconditioned] = []
         with self._waiting():
-            for layer, grad, t, extra in slots:
-                if isinstance(extra, torch.Tensor) or extra is None:
-                    out.append((layer, grad, t, extra))
+            for slot in slots:
+                if isinstance(slot, Preconditioned):
+                    out.append(slot)
                     continue
-                extra.wait()
-                out.append((layer, grad, t[:-1].view_as(grad), t[-1] > 0))
+                layer, grad, t, handle = slot
+                handle.wait()
+                out.append(Preconditioned(layer, grad, t[:-1].view_as(grad), t[-1] > 0))
         return out
 
     # ------------------------------------------------------------------ control
@@ -415,7 +410,20 @@ class DistributedEngine:
         """
         device = next(iter(self._layers.values())).weight.device  # NCCL needs CUDA tensors
         value = torch.tensor([1.0 if flag else 0.0], device=device)
-        return bool(self._comm.allreduce_mean(value, kind="control").wait()[0] > 0)
+        return bool(self.mean_over_ranks(value)[0] > 0)
+
+    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks of a few control scalars (blocking; itself with one rank).
+
+        Args:
+            values: This rank's values, on the blocks' device (NCCL needs CUDA tensors).
+
+        Returns:
+            The mean.
+        """
+        if self._world == 1:
+            return values
+        return self._comm.allreduce_mean(values, kind="control").wait()
 
     @contextmanager
     def _waiting(self) -> Iterator[None]:

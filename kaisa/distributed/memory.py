@@ -23,7 +23,7 @@ from fractions import Fraction
 
 from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.strategy import WorkerGrid, valid_fractions
-from kaisa.enums import AssignmentStrategy, ComputeMethod, parse_enum
+from kaisa.enums import AssignmentStrategy, ComputeMethod, Side, parse_enum
 from kaisa.methods import SecondOrderMethod, make_method
 
 __all__ = [
@@ -49,7 +49,7 @@ class FactorSize:
 
     Attributes:
         layer: The layer name.
-        side: ``'A'`` or ``'G'``.
+        side: Which factor.
         dim: The factor dimension ``n``.
         blocks: Kronecker blocks (convolution groups).
         nbytes: Bytes of the running factor, the batch factor and the decomposition.
@@ -57,7 +57,7 @@ class FactorSize:
     """
 
     layer: str
-    side: str
+    side: Side
     dim: int
     blocks: int
     nbytes: int
@@ -88,11 +88,11 @@ def factor_sizes(
     out = []
     for name, (a_dim, g_dim) in layer_dims.items():
         blocks = groups.get(name, 1)
-        for side, n in (("A", a_dim), ("G", g_dim)):
+        for side, n in ((Side.A, a_dim), (Side.G, g_dim)):
             per_block = 2 * n * n * itemsize + method.numel(n, 0) * inv_itemsize
             gflop = blocks * method.decompose_flops(n) / 1e9
             out.append(FactorSize(name, side, n, blocks, blocks * per_block, gflop))
-    return sorted(out, key=lambda f: (-f.dim, f.layer, f.side))
+    return sorted(out, key=lambda f: (-f.dim, f.layer, f.side.value))
 
 
 def decomposition_numel(

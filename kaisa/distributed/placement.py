@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kaisa.distributed.strategy import WorkerGrid
-from kaisa.enums import AssignmentStrategy, parse_enum
+from kaisa.enums import AssignmentStrategy, Side, parse_enum
 
 __all__ = ["LayerPlacement", "Placement", "factor_cost", "place_layers"]
 
@@ -99,14 +99,14 @@ class Placement:
         """Returns the placement of layer ``name``."""
         return self.layers[name]
 
-    def computed_by(self, rank: int) -> list[tuple[str, str]]:
-        """The ``(layer, 'A' | 'G')`` decompositions that ``rank`` computes."""
-        out: list[tuple[str, str]] = []
+    def computed_by(self, rank: int) -> list[tuple[str, Side]]:
+        """The ``(layer, side)`` decompositions that ``rank`` computes."""
+        out: list[tuple[str, Side]] = []
         for lp in self.layers.values():
             if lp.a_rank == rank:
-                out.append((lp.name, "A"))
+                out.append((lp.name, Side.A))
             if lp.g_rank == rank:
-                out.append((lp.name, "G"))
+                out.append((lp.name, Side.G))
         return out
 
     def held_by(self, rank: int) -> list[str]:

@@ -31,10 +31,6 @@ class CommHandle(Protocol):
         """Blocks until the collective finished and returns the result."""
         ...
 
-    def is_ready(self) -> bool:
-        """Whether :meth:`wait` would return without blocking on the network."""
-        ...
-
 
 class DoneHandle:
     """A handle whose result is already known."""
@@ -47,10 +43,6 @@ class DoneHandle:
     def wait(self) -> torch.Tensor:
         """Returns the known result."""
         return self._tensor
-
-    def is_ready(self) -> bool:
-        """Always true."""
-        return True
 
 
 @runtime_checkable

@@ -21,12 +21,11 @@ receiver group.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kaisa.enums import DistributedStrategy, parse_enum
+from kaisa.enums import DistributedStrategy, parse_grad_worker_fraction
 
 __all__ = [
     "DistributedStrategy",
@@ -111,27 +110,26 @@ def resolve_grad_workers(fraction: FractionSpec, world_size: int) -> int:
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if isinstance(fraction, str):
-        if fraction == "auto":
-            raise ValueError(
-                "grad_worker_fraction='auto' must be resolved with a memory budget "
-                "(see kaisa.distributed.memory.choose_fraction)"
-            )
-        fraction = parse_enum(DistributedStrategy, fraction, "grad_worker_fraction")
-    if isinstance(fraction, DistributedStrategy):
-        exact = strategy_fraction(fraction, world_size)
-        return int(exact * world_size)
-    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+    if isinstance(fraction, bool) or not isinstance(fraction, (numbers.Real, str,
+                                                                DistributedStrategy)):
         raise TypeError(
             f"grad_worker_fraction must be a DistributedStrategy, float or 'auto', got "
             f"{type(fraction).__name__}"
         )
-    value = float(fraction)
-    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+    try:
+        parsed = parse_grad_worker_fraction(fraction)
+    except ValueError as err:
         raise ValueError(
-            f"grad_worker_fraction must be in (0, 1], got {fraction!r}; valid fractions for "
-            f"world size {world_size}: {_format_fractions(world_size)}"
+            f"{err}; valid fractions for world size {world_size}: {_format_fractions(world_size)}"
+        ) from None
+    if parsed == "auto":
+        raise ValueError(
+            "grad_worker_fraction='auto' must be resolved with a memory budget "
+            "(see kaisa.distributed.memory.choose_fraction)"
         )
+    if isinstance(parsed, DistributedStrategy):
+        return int(strategy_fraction(parsed, world_size) * world_size)
+    value = float(parsed)
     workers_float = value * world_size
     workers = round(workers_float)
     if workers < 1 or abs(workers - workers_float) > 1e-6 or world_size % workers != 0:

@@ -91,11 +91,6 @@ class _Bucket:
         pg = comm._group_handle(self.group)
         if self.op == "allreduce":
             self.flat = self._pack()
-            if comm._skip_allreduce:
-                # Private benchmark switch: keep the local contribution (the result is
-                # then NOT the average; only for measuring what the allreduce costs).
-                self.flat.mul_(comm.world_size)
-                return
             comm.stats.add_sent(self.kind, self.nbytes)
             self.work = dist.all_reduce(self.flat, group=pg, async_op=True)
         else:
@@ -167,12 +162,6 @@ class _BucketHandle:
         assert result is not None
         return result
 
-    def is_ready(self) -> bool:
-        b = self._bucket
-        if b.finished:
-            return True
-        return b.launched and (b.work is None or b.work.is_completed())
-
 
 def _default_timeout() -> datetime.timedelta | None:
     try:
@@ -221,7 +210,6 @@ class TorchDistCommunicator:
         self.bucket_cap_bytes = int(bucket_cap_mb * _MB)
         self.timeout = timeout if timeout is not None else _default_timeout()
         self.device = device
-        self._skip_allreduce = False
         world = tuple(range(self.world_size))
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         # Creation order must be identical on every rank: world first, then

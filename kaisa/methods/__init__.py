@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kaisa.enums import ComputeMethod
-from kaisa.methods.base import Damping, FactorSide, Payload, SecondOrderMethod, State
+from kaisa.methods.base import Damping, Payload, SecondOrderMethod, State
 from kaisa.methods.eigen import EigenMethod
 from kaisa.methods.inverse import InverseMethod, PiInverseMethod
 
@@ -18,7 +18,6 @@ __all__ = [
     "METHODS",
     "Damping",
     "EigenMethod",
-    "FactorSide",
     "InverseMethod",
     "Payload",
     "PiInverseMethod",

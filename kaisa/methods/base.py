@@ -25,9 +25,9 @@ from typing import TypeAlias
 
 import torch
 
-from kaisa.enums import ComputeMethod
+from kaisa.enums import Side
 
-__all__ = ["Damping", "FactorSide", "Payload", "SecondOrderMethod", "State"]
+__all__ = ["Damping", "Payload", "SecondOrderMethod", "State"]
 
 #: Tensors computed for one factor (e.g. ``[eigenvectors, eigenvalues]``).
 Payload: TypeAlias = list[torch.Tensor]
@@ -35,15 +35,11 @@ Payload: TypeAlias = list[torch.Tensor]
 State: TypeAlias = dict[str, torch.Tensor]
 #: Damping added to one factor batch: a number, or one value per block ``(blocks,)``.
 Damping: TypeAlias = float | torch.Tensor
-#: Which factor of a layer: ``'A'`` (activations) or ``'G'`` (output gradients).
-FactorSide: TypeAlias = str
 
 
 class SecondOrderMethod(abc.ABC):
     """How the curvature block of one layer is inverted and applied."""
 
-    #: The :class:`~kaisa.enums.ComputeMethod` this class implements.
-    kind: ComputeMethod
     #: Keys of the layer state (also the checkpoint keys).
     state_keys: tuple[str, ...]
     #: Per payload tensor: whether it is a symmetric matrix (sent as an upper triangle
@@ -82,7 +78,7 @@ class SecondOrderMethod(abc.ABC):
         """Stores new results in a layer's ``state``; ``None`` keeps the previous one."""
 
     @abc.abstractmethod
-    def stored(self, state: State, side: FactorSide) -> Payload | None:
+    def stored(self, state: State, side: Side) -> Payload | None:
         """The payload of the result currently stored for ``side``, if any."""
 
     @abc.abstractmethod

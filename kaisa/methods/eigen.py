@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from kaisa import linalg, ops
-from kaisa.enums import ComputeMethod
-from kaisa.methods.base import Damping, FactorSide, Payload, SecondOrderMethod, State
+from kaisa.enums import Side
+from kaisa.methods.base import Damping, Payload, SecondOrderMethod, State
 
 __all__ = ["EigenMethod"]
 
@@ -26,7 +26,6 @@ class EigenMethod(SecondOrderMethod):
         outer_product: Store ``1 / (dG dA^T + damping)`` at decomposition time.
     """
 
-    kind = ComputeMethod.EIGEN
     state_keys = ("qa", "da", "qg", "dg", "dgda")
     symmetric = (False, False)
 
@@ -62,9 +61,9 @@ class EigenMethod(SecondOrderMethod):
             outer = state["dg"].unsqueeze(-1) * state["da"].unsqueeze(-2)
             state["dgda"] = 1.0 / (outer + damping)
 
-    def stored(self, state: State, side: FactorSide) -> Payload | None:
+    def stored(self, state: State, side: Side) -> Payload | None:
         """``[Q, d]`` of ``side`` if stored."""
-        q, d = ("qa", "da") if side == "A" else ("qg", "dg")
+        q, d = ("qa", "da") if side is Side.A else ("qg", "dg")
         return [state[q], state[d]] if q in state and d in state else None
 
     def required_keys(self) -> tuple[str, ...]:

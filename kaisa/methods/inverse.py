@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from kaisa import linalg
-from kaisa.enums import ComputeMethod
-from kaisa.methods.base import Damping, FactorSide, Payload, SecondOrderMethod, State
+from kaisa.enums import Side
+from kaisa.methods.base import Damping, Payload, SecondOrderMethod, State
 
 __all__ = ["InverseMethod", "PiInverseMethod"]
 
@@ -23,7 +23,6 @@ __all__ = ["InverseMethod", "PiInverseMethod"]
 class InverseMethod(SecondOrderMethod):
     """Damped inverses of A and G (kfac-pytorch's ``ComputeMethod.INVERSE``)."""
 
-    kind = ComputeMethod.INVERSE
     state_keys = ("a_inv", "g_inv")
     symmetric = (True,)
 
@@ -54,9 +53,9 @@ class InverseMethod(SecondOrderMethod):
         if g is not None:
             state["g_inv"] = g[0]
 
-    def stored(self, state: State, side: FactorSide) -> Payload | None:
+    def stored(self, state: State, side: Side) -> Payload | None:
         """``[inverse]`` of ``side`` if stored."""
-        key = "a_inv" if side == "A" else "g_inv"
+        key = "a_inv" if side is Side.A else "g_inv"
         return [state[key]] if key in state else None
 
     def precondition(
@@ -87,8 +86,6 @@ class PiInverseMethod(InverseMethod):
     two eigendecompositions (kfac-jax's default for dense layers). As with the inverse
     method, the damping is the one of the step that decomposed.
     """
-
-    kind = ComputeMethod.PI_INVERSE
 
     def factor_damping(
         self, a: torch.Tensor, g: torch.Tensor, damping: float

@@ -13,26 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kaisa.dtypes import working_dtype
+
 __all__ = [
-    "accumulate_dtype",
     "conv_covariance",
     "conv_patches",
     "covariance",
     "eigen_precondition",
     "eigh",
 ]
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Returns the dtype factor accumulations are carried out in.
-
-    Args:
-        dtype: dtype of the input activations or gradients.
-
-    Returns:
-        ``torch.float64`` for double inputs, ``torch.float32`` otherwise.
-    """
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _symmetrize(c: torch.Tensor) -> torch.Tensor:
@@ -52,7 +41,7 @@ def covariance(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Te
     Returns:
         Exactly symmetric (d + bias, d + bias) tensor with the dtype of ``x``.
     """
-    acc = accumulate_dtype(x.dtype)
+    acc = working_dtype(x.dtype)
     xa = x.to(acc)
     if bias:
         xa = torch.cat([xa, xa.new_ones(xa.shape[0], 1)], dim=1)
@@ -120,7 +109,7 @@ def conv_covariance(
     Returns:
         Exactly symmetric (groups, d, d) tensor, ``d = C / groups * kh * kw + bias``.
     """
-    acc = accumulate_dtype(x.dtype)
+    acc = working_dtype(x.dtype)
     p = conv_patches(x.to(acc), kernel_size, stride, padding, dilation, groups, bias)
     c = torch.bmm(p.transpose(1, 2), p) * scale
     return _symmetrize(c).to(x.dtype)

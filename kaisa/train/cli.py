@@ -95,7 +95,7 @@ def _check(config: argparse.Namespace, data: Dataset) -> None:
         if config.optimizer == "kfac":
             if config.accumulation_steps != 1:
                 raise ValueError("optimizer kfac does not support --accumulation-steps > 1")
-            build_kfac(model, config).preconditioner.remove_hooks()
+            build_kfac(model, config).curvature.remove_hooks()
         else:
             optimizer = build_optimizer(model.parameters(), config)
             if config.kfac:

@@ -113,18 +113,17 @@ def build_scheduler(
 
 def parse_worker_fraction(text: str) -> Any:
     """Parse ``--kfac-grad-worker-fraction``: a strategy name, ``auto`` or a float in (0, 1]."""
-    lowered = text.lower().replace("-", "_")
-    if lowered == "auto":
-        return "auto"
-    if lowered in STRATEGIES:
-        import kaisa
+    from kaisa.enums import parse_grad_worker_fraction
 
-        return kaisa.DistributedStrategy(lowered)
     try:
-        return float(text)
+        return parse_grad_worker_fraction(float(text))
+    except ValueError:
+        pass
+    try:
+        return parse_grad_worker_fraction(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected one of {', '.join(STRATEGIES)}, auto or a float, got {text!r}"
+            f"expected one of {', '.join(STRATEGIES)}, auto or a float in (0, 1], got {text!r}"
         ) from None
 
 

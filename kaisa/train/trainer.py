@@ -62,7 +62,7 @@ def kfac_summary(label: str, pre: Any, largest: int = 3) -> str:
 
     estimate = pre.memory_estimates()[Fraction(pre.grad_worker_fraction).limit_denominator()]
     top = ", ".join(
-        f"{f.layer}.{f.side} {f.dim}x{f.dim}{f' x{f.blocks}' if f.blocks > 1 else ''} "
+        f"{f.layer}.{f.side.value} {f.dim}x{f.dim}{f' x{f.blocks}' if f.blocks > 1 else ''} "
         f"({f.nbytes / 2**20:.1f} MB, {f.gflop:.2g} GFLOP)"
         for f in pre.factor_sizes()[:largest]
     )
@@ -191,7 +191,7 @@ class Trainer:
             build_preconditioner(self.model, options, self.optimizer) if options.kfac else None
         )
         if self.kfac_optimizer:
-            self.pre = cast(Any, self.optimizer).preconditioner
+            self.pre = cast(Any, self.optimizer).curvature
         if self.pre is not None and context.is_main and not options.quiet:
             print(kfac_summary(options.label, self.pre), flush=True)
         self.kfac_offset: dict[str, float] = {}

@@ -1,8 +1,7 @@
-"""Registered layers: a small registry of layer kinds.
+"""Curvature blocks: one :class:`~kaisa.blocks.base.CurvatureBlock` kind per layer kind.
 
-Each kind is a :class:`~kaisa.layers.base.KFACLayer` subclass for one module type.
-Adding a kind (Embedding, LayerNorm, ...) is one new module plus one entry in
-:data:`LAYER_KINDS`.
+Each kind is a subclass for one module type. Adding a kind (Embedding, LayerNorm, ...)
+is one new module plus one entry in :data:`BLOCK_KINDS`.
 """
 
 from __future__ import annotations
@@ -14,44 +13,52 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kaisa.layers.base import BatchStatistics, KFACLayer, RunningFactors
-from kaisa.layers.conv2d import Conv2dLayer
-from kaisa.layers.linear import LinearLayer
+from kaisa.blocks.base import (
+    BatchStatistics,
+    CurvatureBlock,
+    KFACLayer,
+    Preconditioned,
+    RunningFactors,
+)
+from kaisa.blocks.conv2d import Conv2dBlock
+from kaisa.blocks.linear import LinearBlock
 
 __all__ = [
-    "LAYER_KINDS",
+    "BLOCK_KINDS",
     "BatchStatistics",
-    "Conv2dLayer",
+    "Conv2dBlock",
+    "CurvatureBlock",
     "KFACLayer",
-    "LinearLayer",
+    "LinearBlock",
+    "Preconditioned",
     "RunningFactors",
-    "register_layers",
+    "register_blocks",
 ]
 
-#: Layer kinds, tried in order with ``isinstance``.
-LAYER_KINDS: tuple[type[KFACLayer], ...] = (LinearLayer, Conv2dLayer)
+#: Block kinds, tried in order with ``isinstance``.
+BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (LinearBlock, Conv2dBlock)
 
 
-def register_layers(
+def register_blocks(
     model: nn.Module,
     *,
     skip: Sequence[re.Pattern[str]] = (),
     factor_dtype: torch.dtype | None = None,
-) -> dict[str, KFACLayer]:
+) -> dict[str, CurvatureBlock]:
     """Wraps every supported, trainable module of ``model`` not matched by ``skip``.
 
     Args:
         model: The model.
         skip: Patterns matched with ``re.search`` against module names and class names.
-        factor_dtype: Factor dtype of every layer (``None``: the activations', >= fp32).
+        factor_dtype: Factor dtype of every block (``None``: the activations', >= fp32).
 
     Returns:
-        ``name -> layer`` in model order. Unsupported variants of a known module type
+        ``name -> block`` in model order. Unsupported variants of a known module type
         are skipped with a warning that says why.
     """
-    layers: dict[str, KFACLayer] = {}
+    blocks: dict[str, CurvatureBlock] = {}
     for name, module in model.named_modules():
-        kind = next((k for k in LAYER_KINDS if isinstance(module, k.module_type)), None)
+        kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
         if kind is None:
             continue
         cls_name = type(module).__name__
@@ -66,5 +73,5 @@ def register_layers(
                 f"kaisa: not registering {name!r}: {reason}", RuntimeWarning, stacklevel=3
             )
             continue
-        layers[name] = kind(name=name, module=module, factor_dtype=factor_dtype)
-    return layers
+        blocks[name] = kind(name=name, module=module, factor_dtype=factor_dtype)
+    return blocks

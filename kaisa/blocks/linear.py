@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from kaisa import factors
-from kaisa.layers.base import KFACLayer
+from kaisa.blocks.base import CurvatureBlock
 
-__all__ = ["LinearLayer"]
+__all__ = ["LinearBlock"]
 
 
-class LinearLayer(KFACLayer):
+class LinearBlock(CurvatureBlock):
     """An ``nn.Linear``: ``A = Xb^T Xb / M``, ``G = D^T D / M``."""
 
     module_type = nn.Linear

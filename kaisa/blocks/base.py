@@ -1,6 +1,14 @@
-"""Per-layer K-FAC state, split by role.
+"""Curvature blocks: one interface for every layer kind, and the state of one block.
 
-A :class:`KFACLayer` wraps one registered module and holds three separate pieces:
+A :class:`CurvatureBlock` wraps one registered module. It says which parameters it
+covers (:meth:`CurvatureBlock.parameters`), records its statistics from the hooks
+(:meth:`~CurvatureBlock.compute_a_batch`, :meth:`~CurvatureBlock.compute_g_batch`; a module
+called several times in one forward pass adds one batch factor per call), states its
+factor shapes (:meth:`~CurvatureBlock.factor_shape`, :attr:`~CurvatureBlock.dims`,
+:attr:`~CurvatureBlock.groups`: what placement and the memory model need), and turns the
+parameters' gradients into the matrix the second-order method preconditions and back
+(:meth:`~CurvatureBlock.gradient_matrix`, :meth:`~CurvatureBlock.split`). It holds three
+separate pieces of state:
 
 * :class:`BatchStatistics` (``layer.stats``): what the hooks record during a step — the
   per-micro-batch factor sums, or the raw inputs / output gradients when factors are
@@ -11,24 +19,28 @@ A :class:`KFACLayer` wraps one registered module and holds three separate pieces
 * ``layer.decomposition``: the second-order method's state (a ``dict`` of tensors, see
   :mod:`kaisa.methods`); the layer never interprets it.
 
-A layer *kind* (:mod:`kaisa.layers.linear`, :mod:`kaisa.layers.conv2d`) only says how
+A block *kind* (:mod:`kaisa.blocks.linear`, :mod:`kaisa.blocks.conv2d`) only says how
 the batch factors are computed from its module's inputs and output gradients.
+:class:`Preconditioned` is what preconditioning returns for one block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
+from kaisa.dtypes import working_dtype
+from kaisa.enums import Side
 from kaisa.finite import all_finite
 
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
 
-__all__ = ["BatchStatistics", "KFACLayer", "RunningFactors"]
+__all__ = ["BatchStatistics", "CurvatureBlock", "KFACLayer", "Preconditioned", "RunningFactors"]
 
 _FACTOR_KEYS = ("A", "G", "skipped_a", "skipped_g")
 
@@ -42,7 +54,8 @@ class BatchStatistics:
     a_count: int = 0
     g_count: int = 0
     saved_inputs: list[torch.Tensor] = field(default_factory=list)
-    saved_grads: list[torch.Tensor] = field(default_factory=list)
+    #: Output gradients with the divisor each is unscaled by.
+    saved_grads: list[tuple[torch.Tensor, float | torch.Tensor]] = field(default_factory=list)
 
     def add_a(self, a_batch: torch.Tensor) -> None:
         """Adds one micro-batch A factor."""
@@ -69,7 +82,14 @@ class BatchStatistics:
 
     def nbytes(self) -> int:
         """Bytes held."""
-        return _size(self.a_sum, self.g_sum, *self.saved_inputs, *self.saved_grads)
+        return _size(self.a_sum, self.g_sum, *self.saved_inputs,
+                     *(d for d, _ in self.saved_grads))
+
+    def clear(self) -> None:
+        """Forgets everything recorded."""
+        self.take()
+        self.saved_inputs.clear()
+        self.saved_grads.clear()
 
 
 @dataclass
@@ -94,10 +114,10 @@ class RunningFactors:
         return sum(int(t.item()) for t in (self.skipped_a, self.skipped_g) if t is not None)
 
 
-class KFACLayer:
-    """K-FAC state of one registered module.
+class CurvatureBlock:
+    """The curvature block of one registered module and its K-FAC state.
 
-    Subclasses (layer kinds) implement :meth:`compute_a_batch` and
+    Subclasses (block kinds) implement :meth:`compute_a_batch` and
     :meth:`compute_g_batch` and may override :meth:`supports`.
 
     Attributes:
@@ -110,10 +130,10 @@ class KFACLayer:
         factors: The running factors.
         decomposition: The second-order method's state (see :mod:`kaisa.methods`).
         method: The second-order method that owns ``decomposition`` (set by the
-            preconditioner).
+            curvature core).
     """
 
-    #: The module type this kind handles (set by each layer kind).
+    #: The module type this kind handles (set by each block kind).
     module_type: ClassVar[type[nn.Module]] = nn.Module
 
     def __init__(self, *, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
@@ -133,6 +153,11 @@ class KFACLayer:
         return None
 
     # ------------------------------------------------------------------ parameters
+    def parameters(self) -> tuple[torch.Tensor, ...]:
+        """The parameters the block covers: the weight, then the bias if any."""
+        bias = self.bias
+        return (self.weight,) if bias is None else (self.weight, bias)
+
     @property
     def weight(self) -> torch.Tensor:
         """The module's weight parameter."""
@@ -151,6 +176,11 @@ class KFACLayer:
         """``(a_dim, g_dim)`` of one Kronecker block."""
         weight = self.weight
         return weight[0].numel() + int(self.has_bias), weight.shape[0] // self.groups
+
+    def factor_shape(self, side: Side) -> tuple[int, int, int]:
+        """``(groups, n, n)`` of the ``side`` factor."""
+        n = self.dims[0 if side is Side.A else 1]
+        return self.groups, n, n
 
     # ------------------------------------------------------------------ public views
     @property
@@ -182,11 +212,6 @@ class KFACLayer:
         """Whether the layer holds what its method needs to precondition."""
         return self.method is not None and self.method.ready(self.decomposition)
 
-    @property
-    def skipped_updates(self) -> int:
-        """How many non-finite per-batch factors were not folded in (syncs the device)."""
-        return self.factors.skipped
-
     def __getattr__(self, key: str) -> Any:
         # Decomposition entries read as attributes (``layer.qa``, ``layer.a_inv``, ...);
         # ``None`` when the method stores no such entry.
@@ -199,7 +224,7 @@ class KFACLayer:
         """Factor dtype for activations ``t``: ``factor_dtype`` or ``t``'s, at least fp32."""
         if self.factor_dtype is not None:
             return self.factor_dtype
-        return torch.promote_types(t.dtype, torch.float32)
+        return working_dtype(t.dtype)
 
     def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
         """The per-batch A factor of input ``x`` (``(groups, n, n)``)."""
@@ -211,37 +236,48 @@ class KFACLayer:
         """The per-batch G factor of output gradient ``grad_output``."""
         raise NotImplementedError
 
-    def take_batch_factors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Mean per-batch factors over the recorded micro-batches; clears the statistics."""
-        return self.stats.take()
-
     # ------------------------------------------------------------------ gradients
-    def grad_matrix(self) -> torch.Tensor | None:
-        """``[W.grad | b.grad]`` as ``(groups, out/groups, n)``; ``None`` without a gradient."""
-        weight = self.weight
-        if weight.grad is None:
+    def gradient_matrix(
+        self, grads: Sequence[torch.Tensor | None] | None = None
+    ) -> torch.Tensor | None:
+        """``[dW | db]`` as ``(groups, out/groups, n)``, the form the method preconditions.
+
+        Args:
+            grads: One gradient per :meth:`parameters` entry (``None``: zero bias
+                gradient); by default the parameters' ``.grad``.
+
+        Returns:
+            The matrix, or ``None`` when the weight has no gradient.
+        """
+        if grads is None:
+            grads = [p.grad for p in self.parameters()]
+        weight_grad = grads[0]
+        if weight_grad is None:
             return None
-        out = weight.shape[0]
-        g = weight.grad.reshape(out, -1)
+        out = self.weight.shape[0]
+        g = weight_grad.reshape(out, -1)
         if self.bias is not None:
-            bgrad = self.bias.grad
+            bgrad = grads[1]
             if bgrad is None:
                 bgrad = torch.zeros(out, dtype=g.dtype, device=g.device)
             g = torch.cat([g, bgrad.reshape(out, 1)], dim=1)
         return g.reshape(self.groups, out // self.groups, -1)
 
-    def write_grad(self, precond: torch.Tensor) -> None:
-        """Copy a preconditioned ``(groups, out/groups, n)`` matrix into the ``.grad``s."""
+    def split(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+        """The inverse of :meth:`gradient_matrix`: one tensor per parameter (views)."""
         weight = self.weight
-        assert weight.grad is not None
-        out = weight.shape[0]
-        mat = precond.reshape(out, -1)
+        mat = matrix.reshape(weight.shape[0], -1)
         bias = self.bias
-        if bias is not None:
-            if bias.grad is not None:
-                bias.grad.copy_(mat[:, -1].reshape(bias.grad.shape))
-            mat = mat[:, :-1]
-        weight.grad.copy_(mat.reshape(weight.grad.shape))
+        if bias is None:
+            return [mat.reshape(weight.shape)]
+        return [mat[:, :-1].reshape(weight.shape), mat[:, -1].reshape(bias.shape)]
+
+    def write_grad(self, matrix: torch.Tensor) -> None:
+        """Copies a ``(groups, out/groups, n)`` matrix into the parameters' ``.grad``."""
+        assert self.weight.grad is not None
+        for p, part in zip(self.parameters(), self.split(matrix), strict=True):
+            if p.grad is not None:
+                p.grad.copy_(part)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -279,6 +315,28 @@ class KFACLayer:
     def __repr__(self) -> str:
         kind = type(self.module).__name__
         return f"{type(self).__name__}({self.name!r}, {kind}, groups={self.groups})"
+
+
+#: kfac-pytorch's name of the per-layer object (public API).
+KFACLayer = CurvatureBlock
+
+
+@dataclass(frozen=True)
+class Preconditioned:
+    """One block's preconditioned gradient, as the curvature core returns it.
+
+    Attributes:
+        block: The block.
+        grad: Its gradient matrix ``(groups, m, n)``.
+        direction: The preconditioned matrix, same shape.
+        valid: For a gradient received from another rank, a 0-d bool tensor saying
+            whether the sender had a result; ``None`` for one computed here.
+    """
+
+    block: CurvatureBlock
+    grad: torch.Tensor
+    direction: torch.Tensor
+    valid: torch.Tensor | None = None
 
 
 #: Decomposition entries readable as layer attributes (every method's state keys).

@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from kaisa import factors
-from kaisa.layers.base import KFACLayer
+from kaisa.blocks.base import CurvatureBlock
 
-__all__ = ["Conv2dLayer"]
+__all__ = ["Conv2dBlock"]
 
 
-class Conv2dLayer(KFACLayer):
+class Conv2dBlock(CurvatureBlock):
     """An ``nn.Conv2d``: ``A = (Pb/S)^T (Pb/S) / (N S)``, ``G = (D/S)^T (D/S) / (N S)``."""
 
     module_type = nn.Conv2d

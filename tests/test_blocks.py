@@ -1,4 +1,4 @@
-"""Unit tests of the layer registry and the per-layer state (kaisa.layers)."""
+"""Unit tests of the layer registry and the per-layer state (kaisa.blocks)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from kaisa.layers import (
-    LAYER_KINDS,
+from kaisa.blocks import (
+    BLOCK_KINDS,
     BatchStatistics,
-    Conv2dLayer,
-    LinearLayer,
+    Conv2dBlock,
+    LinearBlock,
     RunningFactors,
-    register_layers,
+    register_blocks,
 )
 
 
@@ -30,11 +30,11 @@ class _Net(nn.Module):
 
 
 def test_registry_picks_kinds_skips_frozen_unsupported_and_patterns() -> None:
-    assert list(LAYER_KINDS) == [LinearLayer, Conv2dLayer]
+    assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock]
     with pytest.warns(RuntimeWarning, match=r"'circ'.*padding_mode='circular'"):
-        layers = register_layers(_Net())
-    assert {n: type(la) for n, la in layers.items()} == {"conv": Conv2dLayer, "head": LinearLayer}
-    skipped = register_layers(_Net(), skip=(re.compile("Conv2d"),))  # class names too
+        layers = register_blocks(_Net())
+    assert {n: type(la) for n, la in layers.items()} == {"conv": Conv2dBlock, "head": LinearBlock}
+    skipped = register_blocks(_Net(), skip=(re.compile("Conv2d"),))  # class names too
     assert list(skipped) == ["head"]
     conv = layers["conv"]
     assert conv.dims == (3 * 9 + 1, 4) and conv.groups == 1 and conv.has_bias
@@ -66,19 +66,19 @@ def test_running_factors_start_at_identity_and_skip_non_finite_batches() -> None
 def test_layer_state_dict_round_trip_and_gradient_matrix() -> None:
     torch.manual_seed(0)
     conv = nn.Conv2d(4, 6, 3, groups=2)
-    layer = Conv2dLayer(name="c", module=conv, factor_dtype=None)
-    assert layer.groups == 2 and layer.grad_matrix() is None
+    layer = Conv2dBlock(name="c", module=conv, factor_dtype=None)
+    assert layer.groups == 2 and layer.gradient_matrix() is None
     conv.weight.grad = torch.randn_like(conv.weight)
     assert conv.bias is not None
     conv.bias.grad = torch.randn_like(conv.bias)
-    grad = layer.grad_matrix()
+    grad = layer.gradient_matrix()
     assert grad is not None and grad.shape == (2, 3, 2 * 9 + 1)
     layer.write_grad(2 * grad)
-    torch.testing.assert_close(layer.grad_matrix(), 2 * grad)
+    torch.testing.assert_close(layer.gradient_matrix(), 2 * grad)
     layer.factors.fold(torch.ones(2, 19, 19), torch.ones(2, 3, 3), 0.5)
     layer.decomposition["a_inv"] = torch.eye(19).repeat(2, 1, 1)
     state = layer.state_dict()
-    other = Conv2dLayer(name="c", module=conv, factor_dtype=None)
+    other = Conv2dBlock(name="c", module=conv, factor_dtype=None)
     other.load_state_dict(state)
     assert other.a is not None and torch.equal(other.a, layer.a)  # type: ignore[arg-type]
     assert torch.equal(other.a_inv, layer.decomposition["a_inv"]) and other.qa is None

@@ -1,0 +1,374 @@
+"""The K-FAC curvature core: one estimator under every product.
+
+:class:`KFACCurvature` owns the curvature blocks (:mod:`kaisa.blocks`), the statistics
+recorder (:mod:`kaisa.hooks`), the distributed engine (:mod:`kaisa.distributed.engine`)
+and the second-order method (:mod:`kaisa.methods`). It holds no hyperparameter that
+changes during training: every phase takes what it needs as an explicit argument, and it
+never calls up into the product that drives it.
+
+Phases, in the order a step uses them:
+
+* arm the recording (:attr:`~KFACCurvature.recording`) and scope which backward passes
+  record output gradients (:meth:`~KFACCurvature.output_gradients`);
+* :meth:`~KFACCurvature.update_factors` (the running-average decay);
+* :meth:`~KFACCurvature.update_decompositions` (the damping);
+* :meth:`~KFACCurvature.precondition` (the damping; gradients given or read from
+  ``.grad``), returning :class:`~kaisa.blocks.Preconditioned` directions and writing
+  nothing;
+* :meth:`~KFACCurvature.end_step`, or :meth:`~KFACCurvature.discard` for an abandoned
+  step;
+* rank reductions (:meth:`~KFACCurvature.any_rank`, :meth:`~KFACCurvature.mean_over_ranks`)
+  and the state dict.
+
+:class:`~kaisa.KFACPreconditioner` (kfac-pytorch's API: schedules, KL clip, write-back)
+and :class:`~kaisa.KFAC` (quadratic model, AMP) are products around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch import nn
+
+from kaisa.blocks import CurvatureBlock, Preconditioned, register_blocks
+from kaisa.config import KFACConfig
+from kaisa.distributed import (
+    LARGE_FACTOR_DIM,
+    Communicator,
+    DistributedEngine,
+    FactorSize,
+    MemoryEstimate,
+    Placement,
+)
+from kaisa.hooks import StatisticsRecorder
+from kaisa.methods import SecondOrderMethod, make_method
+
+__all__ = ["TIMING_KEYS", "KFACCurvature"]
+
+logger = logging.getLogger("kaisa")
+
+#: Host seconds the core accounts, by phase.
+TIMING_KEYS = ("factors", "communication", "decompositions", "preconditioning")
+
+
+class KFACCurvature:
+    """Kronecker-factored curvature of a model's registered blocks, on every rank.
+
+    Args:
+        model: The model; its supported modules become blocks.
+        config: The validated configuration (its schedules and ``lr``/``kl_clip`` are
+            the products' business; the core reads the structural fields).
+        stacklevel: Where construction warnings point (the product's caller).
+
+    Raises:
+        ValueError: If the model has no supported block.
+    """
+
+    def __init__(self, model: nn.Module, config: KFACConfig, *, stacklevel: int = 2) -> None:
+        self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
+        self._warned_silent: set[str] = set()
+        blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype)
+        if not blocks:
+            raise ValueError(
+                "model has no supported layer to precondition (nn.Linear, nn.Conv2d with "
+                "trainable weights, not matched by skip_layers)"
+            )
+        self._blocks = blocks
+        self._method = make_method(
+            config.compute_method, outer_product=config.compute_eigenvalue_outer_product
+        )
+        for block in blocks.values():
+            block.method = self._method
+        weight_dtype = next(iter(blocks.values())).weight.dtype
+        self._engine = DistributedEngine(
+            blocks, config.distributed(weight_dtype), self._method, timings=self._timings
+        )
+        self._recorder = StatisticsRecorder(
+            blocks,
+            in_hook=config.update_factors_in_hook,
+            grad_scaler=config.grad_scaler,
+            accumulation_steps=config.accumulation_steps,
+            on_layer_done=self._engine.layer_done,
+            on_backward_end=self._engine.backward_end,
+            timings=self._timings,
+        )
+        for f in self.factor_sizes():
+            if f.dim > LARGE_FACTOR_DIM:
+                warnings.warn(_large_factor_message(f), RuntimeWarning, stacklevel=stacklevel + 1)
+        logger.log(
+            config.loglevel,
+            "kaisa: registered %d layers: %s",
+            len(blocks),
+            ", ".join(f"{n} ({type(b.module).__name__})" for n, b in blocks.items()),
+        )
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def blocks(self) -> dict[str, CurvatureBlock]:
+        """The blocks by module name, in model order."""
+        return dict(self._blocks)
+
+    @property
+    def layers(self) -> dict[str, CurvatureBlock]:
+        """The blocks under kfac-pytorch's name (``KFACPreconditioner.layers``)."""
+        return self.blocks
+
+    @property
+    def method(self) -> SecondOrderMethod:
+        """The second-order method."""
+        return self._method
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 without torch.distributed)."""
+        return self._engine.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks sharing the work (1 without torch.distributed)."""
+        return self._engine.world_size
+
+    @property
+    def grad_worker_fraction(self) -> float:
+        """Fraction of ranks that are gradient workers for each block."""
+        return float(self._engine.grid.fraction)
+
+    @property
+    def placement(self) -> Placement:
+        """Which rank computes and broadcasts each block's decompositions and gradient."""
+        return self._engine.placement
+
+    @property
+    def communicator(self) -> Communicator:
+        """The communicator (its ``stats`` count bytes sent and time waited)."""
+        return self._engine.communicator
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Cumulative host seconds by phase (on CUDA, launch time unless synchronised)."""
+        return dict(self._timings)
+
+    def reset_timings(self) -> None:
+        """Zeroes :attr:`timings` (in place: the engine and the hooks add to the same dict)."""
+        for key in self._timings:
+            self._timings[key] = 0.0
+
+    @contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        """Adds the block's host seconds to ``timings[key]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timings[key] += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ recording
+    @property
+    def recording(self) -> bool:
+        """Whether forward passes record statistics (the product arms it per step)."""
+        return self._recorder.recording
+
+    @recording.setter
+    def recording(self, value: bool) -> None:
+        self._recorder.recording = bool(value)
+
+    @contextmanager
+    def output_gradients(
+        self, *, passes: int, divisor: float | torch.Tensor | None = None
+    ) -> Iterator[None]:
+        """Scopes which backward passes record G factors.
+
+        Outside any scope every backward pass of a recorded forward records G, divided by
+        the configured grad scaler's loss scale.
+
+        Args:
+            passes: Backward passes per recorded forward in the block (one per
+                Monte-Carlo sample); 0 records none.
+            divisor: What output gradients are divided by in the block (e.g. a Fisher
+                scale times the loss scale); ``None`` keeps the grad scaler's scale.
+        """
+        recorder = self._recorder
+        previous = (recorder.g_passes, recorder.divisor)
+        recorder.g_passes, recorder.divisor = passes, divisor
+        try:
+            yield
+        finally:
+            recorder.g_passes, recorder.divisor = previous
+
+    # ------------------------------------------------------------------ phases
+    def update_factors(self, decay: float) -> None:
+        """Averages the step's batch factors over ranks and folds them in.
+
+        Args:
+            decay: The running-average decay ``rho``.
+        """
+        with self.timed("factors"):
+            self._recorder.compute_saved()
+            recorded = False
+            for name, (a_batch, g_batch) in self._engine.averaged_factors().items():
+                self._blocks[name].factors.fold(a_batch, g_batch, decay)
+                recorded = recorded or a_batch is not None or g_batch is not None
+            if recorded:
+                self._warn_silent_blocks()
+
+    def update_decompositions(self, damping: float) -> None:
+        """Decomposes the factors (as placed) and sends them to the gradient workers.
+
+        Args:
+            damping: The damping the method uses.
+        """
+        with self.timed("decompositions"):
+            self._engine.update_decompositions(damping)
+
+    def precondition(
+        self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
+    ) -> list[Preconditioned]:
+        """Every block's preconditioned gradient matrix; writes nothing.
+
+        Args:
+            damping: The damping of the method's precondition step.
+            grads: ``parameter -> gradient`` to precondition; by default the
+                parameters' ``.grad`` (a block whose weight has none is left out).
+
+        Returns:
+            One entry per block with a gradient and a result, in model order.
+        """
+        with self.timed("preconditioning"):
+            matrices = {}
+            for name, block in self._blocks.items():
+                own = None if grads is None else [grads.get(p) for p in block.parameters()]
+                matrix = block.gradient_matrix(own)
+                if matrix is not None:
+                    matrices[name] = matrix
+            return self._engine.precondition(matrices, damping)
+
+    def end_step(self) -> None:
+        """Ends a step: the recorder's per-step counters restart."""
+        self._recorder.end_step()
+
+    def discard(self) -> None:
+        """Forgets what was recorded since the last step (no step follows)."""
+        for block in self._blocks.values():
+            block.stats.clear()
+        self._recorder.end_step()
+
+    # ------------------------------------------------------------------ ranks
+    def any_rank(self, flag: bool) -> bool:
+        """Logical or of ``flag`` over ranks (every rank must call it)."""
+        return self._engine.any_rank(flag)
+
+    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks of a few control scalars (on the blocks' device)."""
+        return self._engine.mean_over_ranks(values)
+
+    def is_grad_worker(self, name: str) -> bool:
+        """Whether this rank keeps block ``name``'s decompositions."""
+        return self._engine.is_grad_worker(name)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Per block: running factors, skip counts and decompositions."""
+        return {name: block.state_dict() for name, block in self._blocks.items()}
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raises ``ValueError`` unless ``state`` names exactly this core's blocks."""
+        missing = set(self._blocks) - set(state)
+        extra = set(state) - set(self._blocks)
+        if missing or extra:
+            raise ValueError(
+                "state_dict layers do not match the registered layers: "
+                f"missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, damping: float, compute_inverses: bool = True
+    ) -> None:
+        """Restores :meth:`state_dict` output.
+
+        Args:
+            state: The saved per-block state.
+            damping: The damping for blocks saved without decompositions.
+            compute_inverses: Recompute decompositions from the factors where they were
+                not saved (saved ones are restored as they were: bit-exact resume).
+        """
+        self.check_state_dict(state)
+        for name, block in self._blocks.items():
+            block.load_state_dict(state[name])
+            if not self.is_grad_worker(name):
+                block.decomposition.clear()
+        need = any(
+            b.a is not None and not b.has_decomposition() and self.is_grad_worker(name)
+            for name, b in self._blocks.items()
+        )
+        need = self.any_rank(need)  # every rank takes part in the broadcasts
+        if compute_inverses and need:
+            self._engine.update_decompositions(damping)
+
+    # ------------------------------------------------------------------ sizes
+    def memory_estimates(self) -> dict[Fraction, MemoryEstimate]:
+        """Modelled per-rank memory for every valid ``grad_worker_fraction``."""
+        return self._engine.memory_estimates()
+
+    def factor_sizes(self) -> list[FactorSize]:
+        """Every factor's dimension, memory and decomposition cost, largest first."""
+        return self._engine.factor_sizes()
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of K-FAC state on this rank by kind, plus ``'total'``."""
+        usage = {"factors": 0, "decompositions": 0, "buffers": 0}
+        for block in self._blocks.values():
+            for key, value in block.memory_usage().items():
+                usage[key] += value
+        usage["total"] = sum(usage.values())
+        return usage
+
+    @property
+    def skipped_factor_updates(self) -> int:
+        """Per-batch factors not folded in because they were non-finite (syncs once)."""
+        counts = [
+            t
+            for b in self._blocks.values()
+            for t in (b.factors.skipped_a, b.factors.skipped_g)
+            if t is not None
+        ]
+        if not counts:
+            return 0
+        total = torch.stack([c.to("cpu", non_blocking=False) for c in counts]).sum()
+        return int(total.item())
+
+    def remove_hooks(self) -> None:
+        """Detaches the core from the model's modules."""
+        self._recorder.remove()
+
+    def _warn_silent_blocks(self) -> None:
+        for name, block in self._blocks.items():
+            if block.a is None and block.g is None and name not in self._warned_silent:
+                self._warned_silent.add(name)
+                msg = (
+                    f"kaisa: the hooks of registered layer {name!r} "
+                    f"({type(block.module).__name__}) did not fire (is it called "
+                    "functionally, like nn.MultiheadAttention.out_proj?); it is left "
+                    "unpreconditioned until they do"
+                )
+                warnings.warn(msg, RuntimeWarning, stacklevel=5)
+                logger.warning(msg)
+
+
+def _large_factor_message(f: FactorSize) -> str:
+    """The warning for a factor above :data:`~kaisa.distributed.LARGE_FACTOR_DIM`."""
+    blocks = f" x {f.blocks} groups" if f.blocks > 1 else ""
+    return (
+        f"kaisa: layer {f.layer!r} has a {f.dim}x{f.dim}{blocks} {f.side.value} factor: about "
+        f"{f.nbytes / 2**20:.0f} MB (running and batch factor, decomposition) and "
+        f"{f.gflop:.0f} GFLOP per decomposition (every inv_update_steps steps), likely most "
+        f"of each step. Leave it out with skip_layers=[{('^' + re.escape(f.layer) + '$')!r}] "
+        "or make the layer smaller"
+    )

@@ -1,0 +1,181 @@
+"""The validated configuration of :class:`kaisa.KFAC`: its own arguments and the core's.
+
+:class:`KFACOptimizerConfig` holds the optimizer's arguments (loss, curvature source,
+step-size and damping rules) and a nested :class:`~kaisa.config.KFACConfig` for the
+curvature core (the keyword arguments KFAC passes through). The defaults of the nested
+configuration depend on the mode, and are decided here, in one place:
+
+* ``kl_clip``: ``None`` with the adaptive lr (the quadratic model bounds the step; giving
+  one is an error), else kfac-pytorch's 0.001;
+* ``compute_method``: ``'pi_inverse'`` with the adaptive lr (two Cholesky inverses per
+  block), else ``'eigen'`` (then the fixed mode equals ``KFACPreconditioner`` + SGD);
+* ``compute_eigenvalue_outer_product``: off when the damping adapts (a stored
+  ``1 / (dG dA^T + damping)`` would keep a stale damping), else kfac-pytorch's default;
+* ``grad_scaler``: KFAC's own, so backward passes outside KFAC (without a closure) are
+  unscaled by it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kaisa.amp import LossScaling
+from kaisa.config import KFACConfig
+from kaisa.enums import parse_enum
+from kaisa.losses import Loss, LossKind, Reduction
+
+__all__ = ["ADAPTIVE", "Curvature", "KFACOptimizerConfig", "StepSize"]
+
+ADAPTIVE = "adaptive"
+#: A fixed step size: a number or a callable of the step.
+StepSize = float | Callable[[int], float]
+
+
+class Curvature(enum.Enum):
+    """Where the G factors come from."""
+
+    EMPIRICAL = "empirical"
+    MC = "mc"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACOptimizerConfig:
+    """Every :class:`~kaisa.KFAC` argument except the model, validated.
+
+    Build it with :meth:`of` (the constructor's arguments). Attributes are those
+    arguments (see :class:`~kaisa.KFAC`), plus:
+
+    Attributes:
+        kfac: The curvature core's configuration.
+        adaptive_lr: ``lr == 'adaptive'``.
+        adaptive_momentum: ``momentum == 'adaptive'``.
+        adaptive_damping: The LM rule runs (it needs the adaptive lr).
+        fisher_scaled: G factors are scaled to the Fisher of the declared loss (sampled
+            targets or the adaptive mode); the fixed empirical mode keeps kfac-pytorch's
+            convention.
+        omega: The LM factor ``damping_decay ** damping_interval``.
+    """
+
+    loss: Loss
+    curvature: Curvature
+    mc_samples: int
+    lr: StepSize | str
+    momentum: StepSize | str
+    damping: float
+    adaptive_damping: bool
+    damping_interval: int
+    damping_decay: float
+    min_damping: float
+    max_damping: float
+    weight_decay: float
+    seed: int
+    grad_scaler: Any
+    kfac: KFACConfig
+    adaptive_lr: bool = field(init=False)
+    adaptive_momentum: bool = field(init=False)
+    fisher_scaled: bool = field(init=False)
+    omega: float = field(init=False)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        loss: LossKind | str,
+        reduction: Reduction | str,
+        curvature: Curvature | str,
+        preconditioner: dict[str, Any],
+        **arguments: Any,
+    ) -> KFACOptimizerConfig:
+        """Parses and validates the constructor's arguments.
+
+        Args:
+            loss: The loss name.
+            reduction: Its reduction.
+            curvature: ``'mc'`` or ``'empirical'``.
+            preconditioner: The keyword arguments for the core (``KFACConfig`` fields).
+            **arguments: The other :class:`~kaisa.KFAC` arguments.
+
+        Raises:
+            ValueError: Naming the invalid argument.
+        """
+        LossScaling(arguments["grad_scaler"])  # validates it
+        for reserved in ("damping", "lr"):
+            if reserved in preconditioner:
+                raise ValueError(f"{reserved} is set by KFAC, not a preconditioner argument")
+        adaptive = _is_adaptive("lr", arguments["lr"])
+        if adaptive and preconditioner.get("kl_clip") is not None:
+            raise ValueError("kl_clip is for fixed lr; the quadratic model bounds the step")
+        core = {
+            "kl_clip": None if adaptive else 0.001,
+            "compute_method": "pi_inverse" if adaptive else "eigen",
+            "compute_eigenvalue_outer_product": not (adaptive and arguments["adaptive_damping"]),
+            **preconditioner,
+            "grad_scaler": arguments["grad_scaler"],
+        }
+        return cls(
+            loss=Loss.of(loss, reduction),
+            curvature=parse_enum(Curvature, curvature, "curvature"),
+            kfac=KFACConfig(**core),
+            **arguments,
+        )
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: derived fields once
+        _check_positive_int("mc_samples", self.mc_samples)
+        _check_positive_int("damping_interval", self.damping_interval)
+        adaptive_lr = _is_adaptive("lr", self.lr)
+        adaptive_momentum = _is_adaptive("momentum", self.momentum)
+        if adaptive_momentum and not adaptive_lr:
+            raise ValueError("momentum='adaptive' needs lr='adaptive'")
+        for name in ("damping", "min_damping", "max_damping", "damping_decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"{name} must be a finite number > 0.0, got {value!r}")
+        if not self.damping_decay < 1:
+            raise ValueError(f"damping_decay must be < 1, got {self.damping_decay!r}")
+        if not self.min_damping <= self.damping <= self.max_damping:
+            raise ValueError("damping must lie in [min_damping, max_damping]")
+        if isinstance(self.weight_decay, bool) or not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        for name in ("damping", "min_damping", "max_damping", "weight_decay"):
+            set_(self, name, float(getattr(self, name)))
+        set_(self, "adaptive_lr", adaptive_lr)
+        set_(self, "adaptive_momentum", adaptive_momentum)
+        # The LM rule compares with the quadratic model's prediction: adaptive lr only.
+        set_(self, "adaptive_damping", bool(self.adaptive_damping) and adaptive_lr)
+        set_(self, "fisher_scaled", self.curvature is Curvature.MC or adaptive_lr)
+        set_(self, "omega", self.damping_decay**self.damping_interval)
+
+    def fixed(self, name: str) -> float:
+        """The param-group default of a fixed ``lr``/``momentum``.
+
+        NaN when adaptive or scheduled by a callable.
+        """
+        value = getattr(self, name)
+        adaptive = self.adaptive_lr if name == "lr" else self.adaptive_momentum
+        return math.nan if adaptive or callable(value) else float(value)
+
+
+def _is_adaptive(name: str, value: object) -> bool:
+    if isinstance(value, str):
+        if value.strip().lower() != ADAPTIVE:
+            raise ValueError(f"{name} must be a number, a callable or 'adaptive', got {value!r}")
+        return True
+    if callable(value):
+        return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+        value
+    ) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, a callable or 'adaptive', got {value!r}")
+    return False
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

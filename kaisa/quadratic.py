@@ -1,0 +1,170 @@
+"""The local quadratic model of :class:`kaisa.KFAC`'s adaptive mode, as pure functions.
+
+For update directions ``v_1..v_k`` (the preconditioned gradient and the previous update)
+the step ``delta = sum_i c_i v_i`` minimises
+``m(delta) = g.delta + 1/2 delta.(C + (lambda + wd) I) delta`` with ``C`` the exact
+Gauss-Newton matrix of the loss on the batch (Martens & Grosse 2015, section 7):
+
+* :class:`Linearization` gives the Jacobian-vector products ``J v`` (double-backward
+  trick);
+* :func:`quadratic_model` the coefficients ``Q``, ``b`` and ``D = v_i.v_j``;
+* :func:`solve` the minimiser ``c = -Q^-1 b``;
+* :func:`predicted_change` the undamped model's prediction, and :func:`lm_damping` the
+  Levenberg-Marquardt rule that compares it with the actual change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kaisa.losses import Loss
+
+__all__ = [
+    "Linearization",
+    "gram",
+    "lm_damping",
+    "predicted_change",
+    "quadratic_model",
+    "solve",
+]
+
+
+class Linearization:
+    """``J^T u`` as a differentiable function of ``u``, for ``J v`` (double-backward trick).
+
+    ``J`` is the Jacobian of ``outputs`` w.r.t. ``params``. One backward pass with
+    ``create_graph=True`` builds ``t(u) = J^T u``; since ``t`` is linear in ``u``, the
+    gradient of ``t . v`` w.r.t. ``u`` is ``J v`` whatever ``u``'s value. A sampled
+    loss's output gradient as ``u`` lets that pass also record the Monte-Carlo G factors
+    (one backward pass fewer per step).
+
+    Args:
+        outputs: The model outputs (with their graph).
+        params: The parameters.
+        seed: The value of ``u`` (zeros if ``None``).
+    """
+
+    def __init__(
+        self, outputs: torch.Tensor, params: list[torch.Tensor], seed: torch.Tensor | None
+    ) -> None:
+        seed = torch.zeros_like(outputs) if seed is None else seed.detach()
+        self.dummy = seed.requires_grad_(True)
+        transposed = torch.autograd.grad(
+            outputs, params, grad_outputs=self.dummy, create_graph=True, allow_unused=True
+        )
+        self.used = [i for i, t in enumerate(transposed) if t is not None]
+        self.transposed = [transposed[i] for i in self.used]
+
+    def jacobian_vector_products(
+        self, vectors: list[list[torch.Tensor]], norms: list[float] | None = None
+    ) -> list[torch.Tensor]:
+        """``J v`` per vector (one tensor per parameter); frees the graph after the last.
+
+        With ``norms``, ``J (v / |v|)`` is computed and multiplied by ``|v|``.
+        """
+        out = []
+        with torch.enable_grad():
+            for n, v in enumerate(vectors):
+                norm = 1.0 if norms is None or not norms[n] > 0 else norms[n]
+                (jv,) = torch.autograd.grad(
+                    self.transposed, self.dummy,
+                    grad_outputs=[v[i] if norm == 1.0 else v[i] / norm for i in self.used],
+                    retain_graph=n < len(vectors) - 1,
+                )
+                out.append(jv.detach() if norm == 1.0 else jv.detach() * norm)
+        return out
+
+
+def gram(vectors: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Dot products ``vectors[i] . vectors[j]`` (over all parameters), float64."""
+    k = len(vectors)
+    device = vectors[0][0].device
+    out = torch.zeros(k, k, dtype=torch.float64, device=device)
+    for parts in zip(*vectors, strict=True):
+        rows = torch.stack([t.reshape(-1) for t in parts]).double()
+        out.add_(rows @ rows.T)
+    return out
+
+
+def quadratic_model(
+    loss: Loss,
+    outputs: torch.Tensor,
+    linearization: Linearization,
+    raw: list[torch.Tensor],
+    vectors: list[list[torch.Tensor]],
+    *,
+    regularization: float,
+    unit_products: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Q_ij = v_i.(C + r I) v_j``, ``b_i = g.v_i`` and ``D_ij = v_i.v_j``, float64.
+
+    Args:
+        loss: The declared loss (its Gauss-Newton forms).
+        outputs: The outputs the linearisation was built at.
+        linearization: ``J`` at ``outputs``; consumed.
+        raw: The gradient ``g`` (one tensor per parameter).
+        vectors: The directions ``v_i``.
+        regularization: ``r``, the damping plus the weight decay.
+        unit_products: Compute ``J v`` for unit vectors and scale back (half-precision
+            graphs: no over- or underflow).
+
+    Returns:
+        ``(Q, b, D)``.
+    """
+    k = len(vectors)
+    products = gram([raw, *vectors])  # [g, v_1, ..., v_k] pairwise dot products
+    norms = products.diagonal()[1:].sqrt().tolist() if unit_products else None
+    jvs = linearization.jacobian_vector_products(vectors, norms)
+    quad = torch.empty(k, k, dtype=torch.float64, device=outputs.device)
+    for i in range(k):
+        for j in range(i, k):
+            value = loss.gauss_newton(outputs, jvs[i], jvs[j])
+            quad[i, j] = quad[j, i] = value + regularization * products[i + 1, j + 1]
+    return quad, products[0, 1:].clone(), products[1:, 1:].clone()
+
+
+def solve(quad: torch.Tensor, lin: torch.Tensor) -> torch.Tensor | None:
+    """Minimiser ``-Q^-1 b`` of ``1/2 c.Q c + b.c``; ``None`` if ``Q`` is not positive."""
+    if not bool(torch.isfinite(quad).all() and torch.isfinite(lin).all()):
+        return None
+    eigenvalues = torch.linalg.eigvalsh(quad)
+    if not bool(eigenvalues.min() > 0):
+        return None
+    solution: torch.Tensor = -torch.linalg.solve(quad, lin)
+    return solution
+
+
+def predicted_change(
+    quad: torch.Tensor, lin: torch.Tensor, squares: torch.Tensor, coeffs: torch.Tensor,
+    damping: float,
+) -> float:
+    """The undamped model's change ``1/2 c.(Q - lambda D) c + b.c``.
+
+    The LM rule compares with the model without the damping term (weight decay is part
+    of the objective, the damping is not): Martens & Grosse 2015, 6.5; kfac-jax's default.
+    """
+    undamped = quad - damping * squares.to(quad.device)
+    return float(0.5 * coeffs @ undamped @ coeffs + lin @ coeffs)
+
+
+def lm_damping(damping: float, rho: float, omega: float, low: float, high: float) -> float:
+    """The Levenberg-Marquardt rule: shrink when the model fits, grow when it does not.
+
+    Args:
+        damping: The current damping.
+        rho: Actual over predicted loss change.
+        omega: The factor (< 1).
+        low: Lower bound.
+        high: Upper bound.
+
+    Returns:
+        ``damping * omega`` if ``rho > 3/4``, ``damping / omega`` if ``rho < 1/4``
+        (also for a non-finite ``rho``), else ``damping``; clamped to ``[low, high]``.
+    """
+    if not math.isfinite(rho) or rho < 0.25:
+        damping = damping / omega
+    elif rho > 0.75:
+        damping = damping * omega
+    return min(high, max(low, damping))
