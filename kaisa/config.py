@@ -180,18 +180,9 @@ class KFACConfig:
             weight_dtype: The model's parameter dtype (the factors' when
                 ``factor_dtype`` is ``None``: at least float32).
         """
-        return DistributedConfig(
-            grad_worker_fraction=self.grad_worker_fraction,
-            memory_budget_mb=self.memory_budget_mb,
-            assignment_strategy=self.assignment_strategy,
-            colocate_factors=self.colocate_factors,
-            symmetry_aware=self.symmetry_aware,
-            allreduce_bucket_cap_mb=self.allreduce_bucket_cap_mb,
-            collective_timeout=self.collective_timeout,
-            factor_dtype=self.factor_dtype or working_dtype(weight_dtype),
-            inv_dtype=self.inv_dtype,
-            loglevel=self.loglevel,
-        )
+        shared = {f.name: getattr(self, f.name) for f in fields(DistributedConfig)}
+        shared["factor_dtype"] = self.factor_dtype or working_dtype(weight_dtype)
+        return DistributedConfig(**shared)
 
 
 @dataclass(frozen=True, kw_only=True)

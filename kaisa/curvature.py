@@ -40,16 +40,9 @@ from torch import nn
 
 from kaisa.blocks import CurvatureBlock, Preconditioned, register_blocks
 from kaisa.config import KFACConfig
-from kaisa.distributed import (
-    LARGE_FACTOR_DIM,
-    Communicator,
-    DistributedEngine,
-    FactorSize,
-    MemoryEstimate,
-    Placement,
-)
+from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.hooks import StatisticsRecorder
-from kaisa.methods import SecondOrderMethod, make_method
+from kaisa.methods import make_method
 
 __all__ = ["TIMING_KEYS", "KFACCurvature"]
 
@@ -122,34 +115,9 @@ class KFACCurvature:
         return self.blocks
 
     @property
-    def method(self) -> SecondOrderMethod:
-        """The second-order method."""
-        return self._method
-
-    @property
-    def rank(self) -> int:
-        """This process's rank (0 without torch.distributed)."""
-        return self._engine.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks sharing the work (1 without torch.distributed)."""
-        return self._engine.world_size
-
-    @property
-    def grad_worker_fraction(self) -> float:
-        """Fraction of ranks that are gradient workers for each block."""
-        return float(self._engine.grid.fraction)
-
-    @property
-    def placement(self) -> Placement:
-        """Which rank computes and broadcasts each block's decompositions and gradient."""
-        return self._engine.placement
-
-    @property
-    def communicator(self) -> Communicator:
-        """The communicator (its ``stats`` count bytes sent and time waited)."""
-        return self._engine.communicator
+    def engine(self) -> DistributedEngine:
+        """The distributed engine (rank, world size, grid, placement, communicator)."""
+        return self._engine
 
     @property
     def timings(self) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Enumerations accepted by :class:`kaisa.KFACPreconditioner`.
+"""Enumerations accepted by kaisa's constructors (and the factor side of a block).
 
 Every enum argument also accepts its name or value as a string, case-insensitively
 (``'eigen'``, ``'COMM_OPT'``, ``'comm-opt'``).
@@ -15,6 +15,8 @@ __all__ = [
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "LossKind",
+    "Reduction",
     "Side",
     "parse_enum",
     "parse_grad_worker_fraction",
@@ -49,6 +51,20 @@ class AssignmentStrategy(enum.Enum):
 
     COMPUTE = "compute"
     MEMORY = "memory"
+
+
+class LossKind(enum.Enum):
+    """The declared loss."""
+
+    MSE = "mse"
+    CROSS_ENTROPY = "cross_entropy"
+
+
+class Reduction(enum.Enum):
+    """How the loss is reduced over examples (``torch.nn.functional``'s names)."""
+
+    MEAN = "mean"
+    SUM = "sum"
 
 
 class Side(enum.Enum):

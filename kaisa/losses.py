@@ -18,29 +18,14 @@ log-likelihoods: ``loss = scale * sum_i l_i`` over ``examples`` terms.
 from __future__ import annotations
 
 import abc
-import enum
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from kaisa.enums import parse_enum
+from kaisa.enums import LossKind, Reduction, parse_enum
 
 __all__ = ["LOSSES", "CrossEntropyLoss", "Loss", "LossKind", "MSELoss", "Reduction"]
-
-
-class LossKind(enum.Enum):
-    """The declared loss."""
-
-    MSE = "mse"
-    CROSS_ENTROPY = "cross_entropy"
-
-
-class Reduction(enum.Enum):
-    """How the loss is reduced over examples (``torch.nn.functional``'s names)."""
-
-    MEAN = "mean"
-    SUM = "sum"
 
 
 class Loss(abc.ABC):

@@ -132,17 +132,6 @@ class KFAC(torch.optim.Optimizer):
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2)
         self._arm()
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def preconditioner(self) -> KFACCurvature:
-        """The curvature core (``layers``, ``timings``, ``remove_hooks()``, ...)."""
-        return self.curvature
-
-    @property
-    def grad_scaler(self) -> Any:
-        """The grad scaler KFAC drives, or ``None``."""
-        return self.scaling.scaler
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Closure | None = None) -> torch.Tensor | None:  # type: ignore[override]
@@ -409,6 +398,16 @@ class KFAC(torch.optim.Optimizer):
         sgd_update(params, self.state, lr=lr, momentum=momentum,
                    weight_decay=self.config.weight_decay)
         self.last = {"lr": lr, "momentum": momentum, "damping": self.damping}
+
+    @property
+    def preconditioner(self) -> KFACCurvature:
+        """The curvature core under its former name (``layers``, ``timings``, ...)."""
+        return self.curvature
+
+    @property
+    def grad_scaler(self) -> Any:
+        """The grad scaler KFAC drives, or ``None``."""
+        return self.scaling.scaler
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

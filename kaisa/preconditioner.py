@@ -175,7 +175,7 @@ class KFACPreconditioner:
     @property
     def grad_worker_fraction(self) -> float:
         """Fraction of ranks that are gradient workers for each layer (1 at world size 1)."""
-        return self._curvature.grad_worker_fraction
+        return float(self._curvature.engine.grid.fraction)
 
     @property
     def distributed_strategy(self) -> DistributedStrategy | float | str:
@@ -185,17 +185,17 @@ class KFACPreconditioner:
     @property
     def placement(self) -> Placement:
         """Which rank computes and broadcasts each layer's decompositions and gradient."""
-        return self._curvature.placement
+        return self._curvature.engine.placement
 
     @property
     def rank(self) -> int:
         """This process's rank (0 without torch.distributed)."""
-        return self._curvature.rank
+        return self._curvature.engine.rank
 
     @property
     def world_size(self) -> int:
         """Number of ranks sharing the K-FAC work (1 without torch.distributed)."""
-        return self._curvature.world_size
+        return self._curvature.engine.world_size
 
     @property
     def config(self) -> KFACConfig:
@@ -212,7 +212,7 @@ class KFACPreconditioner:
     @property
     def communicator(self) -> Communicator:
         """The communicator (its ``stats`` count bytes sent and time waited)."""
-        return self._curvature.communicator
+        return self._curvature.engine.communicator
 
     @property
     def factor_dtype(self) -> torch.dtype | None:

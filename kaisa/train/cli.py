@@ -12,7 +12,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from kaisa.models import build_model
 from kaisa.train import checkpoint, distributed, report
 from kaisa.train.configs import RunSpec, parse_spec, resolve, settings
 from kaisa.train.data import (
@@ -24,7 +23,7 @@ from kaisa.train.data import (
 )
 from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner
 from kaisa.train.options import build_parser
-from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, train
+from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, model_for, train
 
 TASK_DEFAULTS = {
     "autoencode": {"model": "autoencoder", "epochs": 100, "target": 0.02},
@@ -84,13 +83,7 @@ def _load_data(options: argparse.Namespace) -> Dataset:
 
 def _check(config: argparse.Namespace, data: Dataset) -> None:
     """Build the optimiser and preconditioner once so bad values fail before training."""
-    model = build_model(
-        config.model,
-        in_channels=data.in_channels,
-        image_size=data.image_size,
-        num_classes=data.num_classes,
-        input_dim=data.input_dim,
-    )
+    model = model_for(config, data)
     try:
         if config.optimizer == "kfac":
             if config.accumulation_steps != 1:

@@ -56,18 +56,16 @@ class RunResult:
     diverged: str | None = None
 
 
-def kfac_summary(label: str, pre: Any, largest: int = 3) -> str:
+def kfac_summary(label: str, curvature: Any, largest: int = 3) -> str:
     """One line: registered layers, modelled K-FAC memory per rank, the largest factors."""
-    from fractions import Fraction
-
-    estimate = pre.memory_estimates()[Fraction(pre.grad_worker_fraction).limit_denominator()]
+    estimate = curvature.memory_estimates()[curvature.engine.grid.fraction]
     top = ", ".join(
         f"{f.layer}.{f.side.value} {f.dim}x{f.dim}{f' x{f.blocks}' if f.blocks > 1 else ''} "
         f"({f.nbytes / 2**20:.1f} MB, {f.gflop:.2g} GFLOP)"
-        for f in pre.factor_sizes()[:largest]
+        for f in curvature.factor_sizes()[:largest]
     )
     return (
-        f"[{label}] K-FAC: {len(pre.layers)} layers, modelled memory per rank "
+        f"[{label}] K-FAC: {len(curvature.blocks)} layers, modelled memory per rank "
         f"{estimate.max_total_mb:.1f} MB; largest factors: {top}"
     )
 
@@ -80,17 +78,21 @@ def fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def build(options: argparse.Namespace, data: Dataset, context: DistContext) -> nn.Module:
-    """Build the model of ``options`` seeded with ``options.seed`` (same for every config)."""
-    torch.manual_seed(options.seed)
-    model = build_model(
+def model_for(options: argparse.Namespace, data: Dataset) -> nn.Module:
+    """The model ``options`` name, shaped for ``data`` (on the CPU, unseeded)."""
+    return build_model(
         options.model,
         in_channels=data.in_channels,
         image_size=data.image_size,
         num_classes=data.num_classes,
         input_dim=data.input_dim,
     )
-    return model.to(context.device)
+
+
+def build(options: argparse.Namespace, data: Dataset, context: DistContext) -> nn.Module:
+    """Build the model of ``options`` seeded with ``options.seed`` (same for every config)."""
+    torch.manual_seed(options.seed)
+    return model_for(options, data).to(context.device)
 
 
 def loss_fn(task: str, output: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -193,7 +195,8 @@ class Trainer:
         if self.kfac_optimizer:
             self.pre = cast(Any, self.optimizer).curvature
         if self.pre is not None and context.is_main and not options.quiet:
-            print(kfac_summary(options.label, self.pre), flush=True)
+            print(kfac_summary(options.label, self.pre.curvature if not self.kfac_optimizer
+                               else self.pre), flush=True)
         self.kfac_offset: dict[str, float] = {}
         self.epoch = 0
         self.started = time.perf_counter()
