@@ -4,9 +4,10 @@
     python bench/before_after.py --baseline /tmp/kaisa-base [--iters 60]
 
 One long-lived worker process per checkout builds the same model, optimiser and
-preconditioner (SGD + K-FAC, eigen, factors every step, inverses every 10) on the same
-data; the controller then asks them for one iteration at a time, alternating, so the
-two sides see the same machine noise and their iteration times pair up. Models: the
+preconditioner (SGD + K-FAC, eigen, factors every step, inverses every 10; or
+``kaisa.KFAC`` with its defaults for the ``kfac_*`` models) on the same data; the
+controller then asks them for one iteration at a time, alternating, so the two sides see
+the same machine noise and their iteration times pair up. Models: the
 digits autoencoder (64-256-128-64-16-mirror, batch 128: Python glue dominates) and a
 CIFAR ResNet-20 (batch 32). Reports per model each side's median iteration time and the
 ratio of medians (after / before: < 1 is faster), plus the median of the paired
@@ -29,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 _SETTLE_S = 0.05
+MODELS = ("autoencoder", "resnet20", "kfac_autoencoder", "kfac_resnet20")
 
 _WORKER = textwrap.dedent(
     """
@@ -42,22 +44,31 @@ _WORKER = textwrap.dedent(
         "autoencoder": (lambda: models.build_model("autoencoder", input_dim=64), (64,), 128),
         "resnet20": (lambda: models.resnet20(num_classes=10), (3, 32, 32), 32),
     }
-    build, shape, batch = setups[name]
+    kfac = name.startswith("kfac_")
+    build, shape, batch = setups[name.removeprefix("kfac_")]
     torch.manual_seed(0)
     model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10)
     x = torch.randn(batch, *shape)
     y = torch.randint(0, 10, (batch,))
+    mse = name.endswith("autoencoder")
+    target = x if mse else y
+    if kfac:
+        opt = kaisa.KFAC(model, loss="mse" if mse else "cross_entropy")
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10)
     print(json.dumps({"kaisa": kaisa.__file__}), flush=True)
     for line in sys.stdin:
         t0 = time.perf_counter()
-        opt.zero_grad()
-        out = model(x)
-        loss = F.mse_loss(out, x) if name == "autoencoder" else F.cross_entropy(out, y)
-        loss.backward()
-        pre.step()
-        opt.step()
+        if kfac:
+            opt.step(lambda: (model(x), target))
+        else:
+            opt.zero_grad()
+            out = model(x)
+            loss = F.mse_loss(out, x) if mse else F.cross_entropy(out, y)
+            loss.backward()
+            pre.step()
+            opt.step()
         print(time.perf_counter() - t0, flush=True)
     """
 )
@@ -121,25 +132,29 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, required=True, help="other checkout")
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "bench" / "results" / "before_after.json")
     args = parser.parse_args()
     before = args.baseline.resolve()
     summary = {}
-    for model in ("autoencoder", "resnet20"):
+    for model in args.models:
         summary[model] = _compare(before, ROOT, model, args.iters, args.threads)
         s = summary[model]
         print(f"{model}: before {s['before_ms']} ms, after {s['after_ms']} ms, ratio of medians "
               f"{s['ratio_of_medians_after_over_before']}, median paired ratio "
               f"{s['median_paired_ratio']}", flush=True)
     doc = {
-        "description": "median SGD+K-FAC iteration time (eigen, factors every step, inverses "
-        "every 10), two checkouts alternating iteration by iteration; ratio < 1 means this "
-        "checkout is faster",
+        "description": "median iteration time, two checkouts alternating iteration by "
+        "iteration; ratio < 1 means this checkout is faster. autoencoder/resnet20: SGD + "
+        "KFACPreconditioner (eigen, factors every step, inverses every 10); kfac_*: kaisa.KFAC "
+        "with its defaults (adaptive lr/momentum/damping, MC Fisher)",
         "baseline": str(args.baseline),
         "iters": args.iters, "threads": args.threads,
         "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
         "summary": summary,
     }
-    out = ROOT / "bench" / "results" / "before_after.json"
+    out = args.out
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out}")
 

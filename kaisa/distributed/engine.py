@@ -408,6 +408,8 @@ class DistributedEngine:
         Returns:
             The logical or over ranks.
         """
+        if self._world == 1:
+            return flag
         device = next(iter(self._layers.values())).weight.device  # NCCL needs CUDA tensors
         value = torch.tensor([1.0 if flag else 0.0], device=device)
         return bool(self.mean_over_ranks(value)[0] > 0)
