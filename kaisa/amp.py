@@ -2,7 +2,10 @@
 
 KFAC runs several backward passes per step (Monte-Carlo samples, the true loss), so it
 scales each one, unscales the gradients once, skips the update of a step whose gradients
-overflowed and updates the scale at the end of the step. :class:`LossScaling` is that
+overflowed (the factors of that step are skipped too) and updates the scale at the end
+of the step. Do not call ``scaler.step``/``scaler.update`` yourself; without a closure
+call ``scaler.scale(loss).backward()`` then ``opt.step()``. Losses and the quadratic model
+are computed in float32 from half-precision outputs. :class:`LossScaling` is that
 driver; with no scaler (or a disabled one) every method is the identity.
 """
 
@@ -15,7 +18,15 @@ import torch
 from kaisa.finite import all_finite
 from kaisa.hooks import loss_scale
 
-__all__ = ["LossScaling"]
+__all__ = ["HALF", "LossScaling", "full_precision_outputs"]
+
+#: The half-precision dtypes of autocast outputs.
+HALF = (torch.float16, torch.bfloat16)
+
+
+def full_precision_outputs(outputs: torch.Tensor) -> torch.Tensor:
+    """Half-precision outputs (autocast) as float32, for the loss and the quadratic model."""
+    return outputs.float() if outputs.dtype in HALF else outputs
 
 
 class LossScaling:

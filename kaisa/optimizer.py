@@ -16,12 +16,7 @@ The adaptive parts need the batch: :meth:`KFAC.step` takes a closure returning
 ``(outputs, targets)`` from a fresh forward pass. Without a closure (after the user's own
 ``loss.backward()``), only fixed ``lr``/``momentum`` with ``'empirical'`` curvature work.
 Mixed precision: run the forward pass under ``torch.autocast`` (inside the closure) and
-pass a ``torch.amp.GradScaler`` as ``grad_scaler``. KFAC then owns the scaler: it scales
-every backward pass, unscales the gradients, skips the update of a step whose gradients
-overflowed (the factors of that step are skipped too) and updates the scale. Do not call
-``scaler.step``/``scaler.update`` yourself; without a closure call
-``scaler.scale(loss).backward()`` then ``opt.step()``. Losses and the quadratic model are
-computed in float32 from half-precision outputs.
+pass a ``torch.amp.GradScaler`` as ``grad_scaler``; KFAC drives it (:mod:`kaisa.amp`).
 """
 
 from __future__ import annotations
@@ -35,22 +30,29 @@ import torch
 from torch import nn
 
 from kaisa import quadratic
-from kaisa.amp import LossScaling
+from kaisa.amp import HALF, LossScaling, full_precision_outputs
 from kaisa.clipping import guarded_directions, write_preconditioned
 from kaisa.curvature import KFACCurvature
 from kaisa.first_order import sgd_update
 from kaisa.hyperparams import Schedules
 from kaisa.losses import Loss, LossKind, Reduction
-from kaisa.optimizer_config import ADAPTIVE, Curvature, KFACOptimizerConfig, StepSize
+from kaisa.optimizer_config import (
+    ADAPTIVE,
+    Curvature,
+    JacobianMethod,
+    KFACOptimizerConfig,
+    StepSize,
+)
 from kaisa.quadratic import lm_damping
+from kaisa.replay import RandomState, replayed
 
 __all__ = ["KFAC", "Curvature", "lm_damping"]
 
 Closure = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
+_PHASES = ("loss_and_grad", "precondition", "quadratic_model", "damping", "update")
 #: The core's schedules KFAC evaluates (numbers or callables of the step).
 _SCHEDULES = ("factor_update_steps", "inv_update_steps", "factor_decay", "kl_clip")
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class KFAC(torch.optim.Optimizer):
@@ -62,6 +64,9 @@ class KFAC(torch.optim.Optimizer):
         loss: ``'mse'`` or ``'cross_entropy'`` (``torch.nn.functional``'s).
         reduction: ``'mean'`` or ``'sum'``.
         curvature: ``'mc'`` (sampled targets, the default) or ``'empirical'``.
+        jvp: How the quadratic model gets ``J v``: ``'forward'`` (forward-mode AD over
+            a replayed forward pass of the closure; works with every attention kernel)
+            or ``'double_backward'`` (over the training graph).
         mc_samples: Monte-Carlo samples per factor update.
         lr: A number, a callable of the step, or ``'adaptive'``.
         momentum: A number, a callable of the step, or ``'adaptive'``.
@@ -91,6 +96,7 @@ class KFAC(torch.optim.Optimizer):
         loss: LossKind | str,
         reduction: Reduction | str = Reduction.MEAN,
         curvature: Curvature | str = Curvature.MC,
+        jvp: JacobianMethod | str = JacobianMethod.FORWARD,
         mc_samples: int = 1,
         lr: StepSize | str = ADAPTIVE,
         momentum: StepSize | str = ADAPTIVE,
@@ -106,7 +112,8 @@ class KFAC(torch.optim.Optimizer):
         **preconditioner: Any,
     ) -> None:
         self.config = config = KFACOptimizerConfig.of(
-            loss=loss, reduction=reduction, curvature=curvature, preconditioner=preconditioner,
+            loss=loss, reduction=reduction, curvature=curvature, jvp=jvp,
+            preconditioner=preconditioner,
             mc_samples=mc_samples, lr=lr, momentum=momentum, damping=damping,
             adaptive_damping=adaptive_damping, damping_interval=damping_interval,
             damping_decay=damping_decay, min_damping=min_damping, max_damping=max_damping,
@@ -118,8 +125,7 @@ class KFAC(torch.optim.Optimizer):
         self.last: dict[str, float] = {}
         #: Host seconds by phase of :meth:`step` (the core's own phases are in
         #: ``curvature.timings``).
-        self.timings = dict.fromkeys(("loss_and_grad", "precondition", "quadratic_model",
-                                      "damping", "update"), 0.0)
+        self.timings = dict.fromkeys(_PHASES, 0.0)
         self._generator = torch.Generator().manual_seed(seed)
         self._model = model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -203,29 +209,37 @@ class KFAC(torch.optim.Optimizer):
     # ------------------------------------------------------------------ phases
     def _loss_and_curvature(
         self, closure: Closure
-    ) -> tuple[torch.Tensor, torch.Tensor, quadratic.Linearization | None, bool]:
+    ) -> tuple[torch.Tensor, torch.Tensor, quadratic.JacobianProducts | None, bool]:
         """The loss, the gradient and (on factor steps) the statistics of the batch.
 
-        Returns ``(outputs, loss, linearization, diverged)``: the first Monte-Carlo pass
-        also builds ``J^T`` for the quadratic model; a non-finite loss on any rank
-        diverges (nothing computed, the step's statistics dropped).
+        Returns ``(outputs, loss, linearization, diverged)``: the linearisation replays
+        the closure (``jvp='forward'``) or, with ``'double_backward'``, the first
+        Monte-Carlo pass builds ``J^T``; a non-finite loss on any rank diverges (nothing
+        computed, the step's statistics dropped).
         """
         cfg, curvature, steps = self.config, self.curvature, self.steps
         factor_step = steps % self._schedules.integer("factor_update_steps", steps) == 0
         start = time.perf_counter()
-        linearization = None
+        linearization: quadratic.JacobianProducts | None = None
+        forward_mode = cfg.adaptive_lr and cfg.jvp is JacobianMethod.FORWARD
+        rng = RandomState.capture() if forward_mode else None
         with torch.enable_grad():
             outputs, targets = closure()
-            self._reduced_precision = outputs.dtype in _HALF
-            outputs = _full(outputs)
+            self._reduced_precision = outputs.dtype in HALF
+            outputs = full_precision_outputs(outputs)
             loss = self.loss(outputs, targets)
             if curvature.any_rank(not bool(torch.isfinite(loss))):
                 curvature.discard()  # diverged: no update, the caller sees the loss
                 return outputs, loss, None, True
-            keep = cfg.adaptive_lr
+            keep = cfg.adaptive_lr and not forward_mode
             params = self._params()
             for p in params:
                 p.grad = None
+            if rng is not None:
+                linearization = quadratic.ForwardLinearization(
+                    self._model, lambda: full_precision_outputs(closure()[0]), params,
+                    lambda: replayed(self._model, rng),
+                )
             fisher = (math.sqrt(self.loss.scale(outputs) / self.loss.examples(outputs))
                       if cfg.fisher_scaled else 1.0)
             divisor = self.scaling.divisor(fisher)
@@ -285,7 +299,7 @@ class KFAC(torch.optim.Optimizer):
         vectors: list[list[torch.Tensor]],
         outputs: torch.Tensor,
         loss: torch.Tensor,
-        linearization: quadratic.Linearization | None,
+        linearization: quadratic.JacobianProducts | None,
     ) -> tuple[torch.Tensor, float, float]:
         """The quadratic model's minimiser over ``vectors`` (averaged over ranks).
 
@@ -299,17 +313,9 @@ class KFAC(torch.optim.Optimizer):
         )
         k = len(vectors)
         quad, lin = reduced[: k * k].view(k, k), reduced[k * k : k * k + k]
-        loss_before = float(reduced[-1])
-        coeffs = quadratic.solve(quad, lin)
-        if coeffs is None and k > 1:  # momentum collinear with the direction: drop it
-            k = 1
-            del vectors[1:]
-            quad, lin, sq = quad[:1, :1], lin[:1], sq[:1, :1]
-            coeffs = quadratic.solve(quad, lin)
-        if coeffs is None:  # degenerate model: take no step this time
-            coeffs = torch.zeros(k, dtype=torch.float64, device=quad.device)
-        predicted = quadratic.predicted_change(quad, lin, sq, coeffs, self.damping)
-        return coeffs, predicted, loss_before
+        coeffs, predicted = quadratic.minimise(quad, lin, sq, self.damping)
+        del vectors[len(coeffs):]  # momentum collinear with the direction was dropped
+        return coeffs, predicted, float(reduced[-1])
 
     def _apply(
         self, params: list[torch.Tensor], vectors: list[list[torch.Tensor]], coeffs: torch.Tensor
@@ -331,12 +337,11 @@ class KFAC(torch.optim.Optimizer):
         """The LM rule on ``rho = (L(theta + delta) - L(theta)) / m0(delta)``."""
         cfg = self.config
         with torch.no_grad():
-            after_outputs, after_targets = closure()
-            after = self.loss(_full(after_outputs), after_targets).detach().double()
+            outputs, targets = closure()
+            after = self.loss(full_precision_outputs(outputs), targets).detach().double()
         loss_after = float(self.curvature.mean_over_ranks(after[None])[0])
         rho = (loss_after - loss_before) / predicted if predicted < 0 else -math.inf
-        self.damping = lm_damping(self.damping, rho, cfg.omega, cfg.min_damping,
-                                  cfg.max_damping)
+        self.damping = lm_damping(self.damping, rho, cfg.omega, cfg.min_damping, cfg.max_damping)
         self.last["rho"] = rho
 
     def quadratic_model(
@@ -345,12 +350,12 @@ class KFAC(torch.optim.Optimizer):
         params: list[torch.Tensor],
         raw: list[torch.Tensor],
         vectors: list[list[torch.Tensor]],
-        linearization: quadratic.Linearization | None = None,
+        linearization: quadratic.JacobianProducts | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``Q_ij = v_i.(C + (lambda + wd) I) v_j``, ``b_i = g.v_i`` and ``D_ij = v_i.v_j``.
+        """``Q = V^T (C + (lambda + wd) I) V``, ``b = V^T g``, ``D = V^T V`` (float64).
 
-        ``C`` is the Gauss-Newton matrix of the loss on the batch behind ``outputs`` (a
-        linearisation is built unless given); all three are float64.
+        ``C``: the Gauss-Newton matrix on the batch behind ``outputs`` (linearised here
+        unless ``linearization`` is given).
         """
         if linearization is None:
             with torch.enable_grad(), self.curvature.output_gradients(passes=0):
@@ -437,11 +442,6 @@ class KFAC(torch.optim.Optimizer):
             self.curvature.load_state_dict(layers, damping=self.damping)
         self._generator.set_state(extra["generator"])
         self._arm()
-
-
-def _full(outputs: torch.Tensor) -> torch.Tensor:
-    """Half-precision outputs (autocast) as float32, for the loss and the quadratic model."""
-    return outputs.float() if outputs.dtype in _HALF else outputs
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from kaisa.config import KFACConfig
 from kaisa.enums import parse_enum
 from kaisa.losses import Loss, LossKind, Reduction
 
-__all__ = ["ADAPTIVE", "Curvature", "KFACOptimizerConfig", "StepSize"]
+__all__ = ["ADAPTIVE", "Curvature", "JacobianMethod", "KFACOptimizerConfig", "StepSize"]
 
 ADAPTIVE = "adaptive"
 #: A fixed step size: a number or a callable of the step.
@@ -40,6 +40,19 @@ class Curvature(enum.Enum):
 
     EMPIRICAL = "empirical"
     MC = "mc"
+
+
+class JacobianMethod(enum.Enum):
+    """How the quadratic model gets its Jacobian-vector products ``J v``.
+
+    ``FORWARD``: forward-mode AD over a replayed forward pass of the closure (one per
+    vector; works with every attention kernel). ``DOUBLE_BACKWARD``: the double-backward
+    trick over the training graph (no extra forward, but fused attention kernels have no
+    double backward).
+    """
+
+    FORWARD = "forward"
+    DOUBLE_BACKWARD = "double_backward"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +75,7 @@ class KFACOptimizerConfig:
 
     loss: Loss
     curvature: Curvature
+    jvp: JacobianMethod
     mc_samples: int
     lr: StepSize | str
     momentum: StepSize | str
@@ -87,6 +101,7 @@ class KFACOptimizerConfig:
         loss: LossKind | str,
         reduction: Reduction | str,
         curvature: Curvature | str,
+        jvp: JacobianMethod | str,
         preconditioner: dict[str, Any],
         **arguments: Any,
     ) -> KFACOptimizerConfig:
@@ -96,6 +111,7 @@ class KFACOptimizerConfig:
             loss: The loss name.
             reduction: Its reduction.
             curvature: ``'mc'`` or ``'empirical'``.
+            jvp: ``'forward'`` or ``'double_backward'``.
             preconditioner: The keyword arguments for the core (``KFACConfig`` fields).
             **arguments: The other :class:`~kaisa.KFAC` arguments.
 
@@ -119,6 +135,7 @@ class KFACOptimizerConfig:
         return cls(
             loss=Loss.of(loss, reduction),
             curvature=parse_enum(Curvature, curvature, "curvature"),
+            jvp=parse_enum(JacobianMethod, jvp, "jvp"),
             kfac=KFACConfig(**core),
             **arguments,
         )

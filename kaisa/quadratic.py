@@ -5,8 +5,10 @@ the step ``delta = sum_i c_i v_i`` minimises
 ``m(delta) = g.delta + 1/2 delta.(C + (lambda + wd) I) delta`` with ``C`` the exact
 Gauss-Newton matrix of the loss on the batch (Martens & Grosse 2015, section 7):
 
-* :class:`Linearization` gives the Jacobian-vector products ``J v`` (double-backward
-  trick);
+* :class:`ForwardLinearization` gives the Jacobian-vector products ``J v`` by
+  forward-mode AD over a replayed forward pass (kfac-jax's way; works with every
+  attention kernel), :class:`Linearization` by the double-backward trick over the
+  training graph;
 * :func:`quadratic_model` the coefficients ``Q``, ``b`` and ``D = v_i.v_j``;
 * :func:`solve` the minimiser ``c = -Q^-1 b``;
 * :func:`predicted_change` the undamped model's prediction, and :func:`lm_damping` the
@@ -16,19 +18,38 @@ Gauss-Newton matrix of the loss on the batch (Martens & Grosse 2015, section 7):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
+import torch.autograd.forward_ad as fwad
+from torch import nn
+from torch.func import functional_call
 
 from kaisa.losses import Loss
 
 __all__ = [
+    "ForwardLinearization",
+    "JacobianProducts",
     "Linearization",
     "gram",
     "lm_damping",
+    "minimise",
     "predicted_change",
     "quadratic_model",
     "solve",
 ]
+
+
+class JacobianProducts(Protocol):
+    """What the quadratic model needs: ``J v`` for a few vectors."""
+
+    def jacobian_vector_products(
+        self, vectors: list[list[torch.Tensor]], norms: list[float] | None = None
+    ) -> list[torch.Tensor]:
+        """``J v`` per vector (one tensor per parameter in each)."""
+        ...
 
 
 class Linearization:
@@ -77,6 +98,73 @@ class Linearization:
         return out
 
 
+class ForwardLinearization:
+    """``J v`` by forward-mode AD (dual numbers), one forward pass per vector.
+
+    The forward pass is the closure's, run again with dual parameters inside ``replay()``
+    (:func:`kaisa.replay.replayed`: same random numbers, buffers restored, math
+    attention) and without grad mode (no statistics are recorded), so ``J`` is the
+    Jacobian of the training forward at the same point.
+
+    Args:
+        model: The model the closure calls.
+        outputs_of: Runs the closure's forward pass and returns the outputs.
+        params: The parameters ``J`` is taken with respect to (all of ``model``'s).
+        replay: The context a replayed forward pass runs in.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        outputs_of: Callable[[], torch.Tensor],
+        params: list[torch.Tensor],
+        replay: Callable[[], AbstractContextManager[Any]],
+    ) -> None:
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        missing = [i for i, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise ValueError("KFAC's parameters must all belong to its model")
+        self._names = [names[id(p)] for p in params]
+        self._primals = {name: p.detach() for name, p in zip(self._names, params, strict=True)}
+        self._model, self._outputs_of, self._replay = model, outputs_of, replay
+
+    def _outputs(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = functional_call(_Call(self._model, self._outputs_of),
+                                            {"model." + n: t for n, t in values.items()}, ())
+        return out
+
+    def jacobian_vector_products(
+        self, vectors: list[list[torch.Tensor]], norms: list[float] | None = None
+    ) -> list[torch.Tensor]:
+        """``J v`` per vector; with ``norms``, ``J (v / |v|)`` scaled back by ``|v|``."""
+        out = []
+        for n, v in enumerate(vectors):
+            norm = 1.0 if norms is None or not norms[n] > 0 else norms[n]
+            tangents = {name: t if norm == 1.0 else t / norm
+                        for name, t in zip(self._names, v, strict=True)}
+            # no grad mode: the hooks of the curvature core record nothing here
+            with torch.no_grad(), self._replay(), fwad.dual_level():
+                duals = {name: fwad.make_dual(self._primals[name], t)  # type: ignore[no-untyped-call]
+                         for name, t in tangents.items()}
+                primal, jv = fwad.unpack_dual(self._outputs(duals))  # type: ignore[no-untyped-call]
+            if jv is None:  # the outputs do not depend on the parameters
+                jv = torch.zeros_like(primal)
+            out.append(jv.detach() if norm == 1.0 else jv.detach() * norm)
+        return out
+
+
+class _Call(nn.Module):
+    """A module whose forward runs a closure over ``model`` (for ``functional_call``)."""
+
+    def __init__(self, model: nn.Module, outputs_of: Callable[[], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self._outputs_of = outputs_of
+
+    def forward(self) -> torch.Tensor:
+        return self._outputs_of()
+
+
 def gram(vectors: list[list[torch.Tensor]]) -> torch.Tensor:
     """Dot products ``vectors[i] . vectors[j]`` (over all parameters), float64."""
     k = len(vectors)
@@ -91,7 +179,7 @@ def gram(vectors: list[list[torch.Tensor]]) -> torch.Tensor:
 def quadratic_model(
     loss: Loss,
     outputs: torch.Tensor,
-    linearization: Linearization,
+    linearization: JacobianProducts,
     raw: list[torch.Tensor],
     vectors: list[list[torch.Tensor]],
     *,
@@ -134,6 +222,29 @@ def solve(quad: torch.Tensor, lin: torch.Tensor) -> torch.Tensor | None:
         return None
     solution: torch.Tensor = -torch.linalg.solve(quad, lin)
     return solution
+
+
+def minimise(
+    quad: torch.Tensor, lin: torch.Tensor, squares: torch.Tensor, damping: float
+) -> tuple[torch.Tensor, float]:
+    """The model's minimiser and the undamped prediction of its change.
+
+    Where ``Q`` is not positive definite with two directions (momentum collinear with the
+    preconditioned direction) the second is dropped; where it is not with one, the step
+    is zero (a degenerate model takes no step).
+
+    Returns:
+        ``(coefficients, predicted change)``; ``len(coefficients)`` directions are used.
+    """
+    k = len(lin)
+    coeffs = solve(quad, lin)
+    if coeffs is None and k > 1:
+        k = 1
+        quad, lin, squares = quad[:1, :1], lin[:1], squares[:1, :1]
+        coeffs = solve(quad, lin)
+    if coeffs is None:
+        coeffs = torch.zeros(k, dtype=torch.float64, device=quad.device)
+    return coeffs, predicted_change(quad, lin, squares, coeffs, damping)
 
 
 def predicted_change(

@@ -32,6 +32,7 @@ def build_kfac(model: nn.Module, options: argparse.Namespace) -> Any:
         model,
         loss="mse" if options.task == "autoencode" else "cross_entropy",
         curvature=options.kfac_curvature,
+        jvp=options.kfac_jvp,
         min_damping=options.kfac_min_damping,
         adaptive_damping=options.kfac_adaptive_damping,
         damping_interval=options.kfac_damping_interval,
