@@ -44,10 +44,12 @@ from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, M
 from kaisa.hooks import StatisticsRecorder
 from kaisa.methods import make_method
 
-__all__ = ["TIMING_KEYS", "KFACCurvature"]
+__all__ = ["FIRST_ORDER", "TIMING_KEYS", "KFACCurvature"]
 
 logger = logging.getLogger("kaisa")
 
+#: The coverage of a trainable parameter that no block covers.
+FIRST_ORDER = "first-order"
 #: Host seconds the core accounts, by phase.
 TIMING_KEYS = ("factors", "communication", "decompositions", "preconditioning")
 
@@ -102,6 +104,8 @@ class KFACCurvature:
             len(blocks),
             ", ".join(f"{n} ({type(b.module).__name__})" for n, b in blocks.items()),
         )
+        self._coverage = _coverage(model, blocks)
+        logger.info("%s", self.coverage_summary(model))
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -113,6 +117,27 @@ class KFACCurvature:
     def layers(self) -> dict[str, CurvatureBlock]:
         """The blocks under kfac-pytorch's name (``KFACPreconditioner.layers``)."""
         return self.blocks
+
+    def coverage(self) -> dict[str, str]:
+        """``{parameter name: block kind or 'first-order'}`` for every trainable parameter.
+
+        Names as ``model.named_parameters()`` gives them (a tied parameter once, under its
+        first name), at construction.
+        """
+        return dict(self._coverage)
+
+    def coverage_summary(self, model: nn.Module) -> str:
+        """One line: how many parameters and elements the blocks cover, and the rest."""
+        sizes = dict(model.named_parameters())
+        rest = [n for n, kind in self._coverage.items() if kind == FIRST_ORDER]
+        total = sum(sizes[n].numel() for n in self._coverage) or 1
+        covered = sum(sizes[n].numel() for n in self._coverage if n not in rest)
+        shown = ", ".join(rest[:8]) + (f" and {len(rest) - 8} more" if len(rest) > 8 else "")
+        return (
+            f"kaisa: K-FAC preconditions {len(self._coverage) - len(rest)} of "
+            f"{len(self._coverage)} trainable parameters ({100 * covered / total:.1f}% of "
+            f"the elements) in {len(self._blocks)} blocks; first-order: {shown or 'none'}"
+        )
 
     @property
     def engine(self) -> DistributedEngine:
@@ -328,6 +353,15 @@ class KFACCurvature:
                 )
                 warnings.warn(msg, RuntimeWarning, stacklevel=5)
                 logger.warning(msg)
+
+
+def _coverage(model: nn.Module, blocks: Mapping[str, CurvatureBlock]) -> dict[str, str]:
+    kinds = {id(p): b.kind for b in blocks.values() for p in b.parameters()}
+    return {
+        name: kinds.get(id(p), FIRST_ORDER)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def _large_factor_message(f: FactorSize) -> str:

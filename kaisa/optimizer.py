@@ -39,6 +39,7 @@ from kaisa.losses import Loss, LossKind, Reduction
 from kaisa.optimizer_config import (
     ADAPTIVE,
     Curvature,
+    FirstOrder,
     JacobianMethod,
     KFACOptimizerConfig,
     StepSize,
@@ -60,7 +61,7 @@ class KFAC(torch.optim.Optimizer):
 
     Args:
         model: The model; its Linear and Conv2d layers are preconditioned, every other
-            trainable parameter takes the plain gradient direction.
+            trainable parameter follows ``first_order``.
         loss: ``'mse'`` or ``'cross_entropy'`` (``torch.nn.functional``'s).
         reduction: ``'mean'`` or ``'sum'``.
         curvature: ``'mc'`` (sampled targets, the default) or ``'empirical'``.
@@ -81,6 +82,10 @@ class KFAC(torch.optim.Optimizer):
         seed: Seed of the Monte-Carlo target sampler.
         grad_scaler: A ``torch.amp.GradScaler`` for mixed precision (KFAC drives it; see
             the module docstring), or ``None``.
+        first_order: Builds the optimizer of the parameters no curvature block covers
+            (:meth:`coverage`) from their list; by default ``torch.optim.AdamW(lr=1e-3)``
+            with the adaptive lr, while a fixed lr steps every parameter with SGD. It
+            steps after the K-FAC update (and its damping rule), on the raw gradients.
         **preconditioner: Further :class:`~kaisa.KFACPreconditioner` arguments
             (``factor_update_steps``, ``inv_update_steps``, ``factor_decay``, ``kl_clip``
             for the fixed mode, ``grad_worker_fraction``, ...).
@@ -109,16 +114,11 @@ class KFAC(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         seed: int = 0,
         grad_scaler: Any = None,
+        first_order: FirstOrder | None = None,
         **preconditioner: Any,
     ) -> None:
-        self.config = config = KFACOptimizerConfig.of(
-            loss=loss, reduction=reduction, curvature=curvature, jvp=jvp,
-            preconditioner=preconditioner,
-            mc_samples=mc_samples, lr=lr, momentum=momentum, damping=damping,
-            adaptive_damping=adaptive_damping, damping_interval=damping_interval,
-            damping_decay=damping_decay, min_damping=min_damping, max_damping=max_damping,
-            weight_decay=weight_decay, seed=seed, grad_scaler=grad_scaler,
-        )
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")}
+        self.config = config = KFACOptimizerConfig.of(**arguments)
         self.loss: Loss = config.loss
         self.damping = config.damping
         self.steps = 0
@@ -136,6 +136,13 @@ class KFAC(torch.optim.Optimizer):
         self._reduced_precision = False
         self._schedules = Schedules({name: getattr(config.kfac, name) for name in _SCHEDULES})
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2)
+        covered = {id(p) for b in self.curvature.blocks.values() for p in b.parameters()}
+        rest: list[torch.Tensor] = [p for p in params if id(p) not in covered]
+        rule = config.first_order_rule()
+        #: The optimizer of the parameters no block covers (``None``: the fixed SGD step
+        #: takes every parameter, or every parameter is covered).
+        self.first_order = rule(rest) if rest and rule is not None else None
+        self._first_order_ids = {id(p) for p in rest} if self.first_order else set()
         self._arm()
 
     # ------------------------------------------------------------------ step
@@ -170,6 +177,7 @@ class KFAC(torch.optim.Optimizer):
             self.last = {"lr": 0.0, "momentum": 0.0, "damping": self.damping, "overflow": 1.0}
             self._end_step()
             return None if loss is None else loss.detach()
+        params = [p for p in params if id(p) not in self._first_order_ids]
         if cfg.adaptive_lr:
             assert outputs is not None and loss is not None and closure is not None
             raw, directions = self._direction(params)
@@ -184,7 +192,9 @@ class KFAC(torch.optim.Optimizer):
             )
             self.timings["quadratic_model"] += time.perf_counter() - start
             start = time.perf_counter()
-            alpha, mu = self._apply(params, vectors, coeffs)
+            alpha, mu = quadratic.apply(params, vectors, coeffs, self.state)
+            for group in self.param_groups:
+                group["lr"], group["momentum"] = -alpha, mu
             self.timings["update"] += time.perf_counter() - start
             self.last = {"lr": -alpha, "momentum": mu, "damping": self.damping,
                          "predicted_change": predicted, "loss": loss_before}
@@ -203,6 +213,8 @@ class KFAC(torch.optim.Optimizer):
             start = time.perf_counter()
             self._sgd_update(params)
             self.timings["update"] += time.perf_counter() - start
+        if self.first_order is not None:
+            self.first_order.step()
         self._end_step()
         return None if loss is None else loss.detach()
 
@@ -236,8 +248,9 @@ class KFAC(torch.optim.Optimizer):
             for p in params:
                 p.grad = None
             if rng is not None:
+                covered = [p for p in params if id(p) not in self._first_order_ids]
                 linearization = quadratic.ForwardLinearization(
-                    self._model, lambda: full_precision_outputs(closure()[0]), params,
+                    self._model, lambda: full_precision_outputs(closure()[0]), covered,
                     lambda: replayed(self._model, rng),
                 )
             fisher = (math.sqrt(self.loss.scale(outputs) / self.loss.examples(outputs))
@@ -254,7 +267,9 @@ class KFAC(torch.optim.Optimizer):
                             free = outputs.detach().requires_grad_(True)
                             (seed,) = torch.autograd.grad(scaled(self.loss(free, targets_mc)),
                                                           free)
-                            linearization = quadratic.Linearization(outputs, params, seed)
+                            linearization = quadratic.Linearization(
+                                outputs, [p for p in params if id(p) not in self._first_order_ids],
+                                seed)
                         else:
                             torch.autograd.grad(scaled(self.loss(outputs, targets_mc)), params,
                                                 retain_graph=True, allow_unused=True)
@@ -316,22 +331,6 @@ class KFAC(torch.optim.Optimizer):
         coeffs, predicted = quadratic.minimise(quad, lin, sq, self.damping)
         del vectors[len(coeffs):]  # momentum collinear with the direction was dropped
         return coeffs, predicted, float(reduced[-1])
-
-    def _apply(
-        self, params: list[torch.Tensor], vectors: list[list[torch.Tensor]], coeffs: torch.Tensor
-    ) -> tuple[float, float]:
-        """``theta += alpha Delta + mu delta_prev``; returns ``(alpha, mu)``."""
-        alpha = float(coeffs[0])
-        mu = float(coeffs[1]) if len(vectors) > 1 else 0.0
-        for i, p in enumerate(params):
-            step = vectors[0][i].mul(alpha)
-            if len(vectors) > 1:
-                step.add_(vectors[1][i], alpha=mu)
-            p.add_(step)
-            self.state[p]["velocity"] = step
-        for group in self.param_groups:
-            group["lr"], group["momentum"] = -alpha, mu
-        return alpha, mu
 
     def _adapt_damping(self, closure: Closure, loss_before: float, predicted: float) -> None:
         """The LM rule on ``rho = (L(theta + delta) - L(theta)) / m0(delta)``."""
@@ -404,6 +403,10 @@ class KFAC(torch.optim.Optimizer):
                    weight_decay=self.config.weight_decay)
         self.last = {"lr": lr, "momentum": momentum, "damping": self.damping}
 
+    def coverage(self) -> dict[str, str]:
+        """``{parameter name: block kind or 'first-order'}`` for every trainable parameter."""
+        return self.curvature.coverage()
+
     @property
     def preconditioner(self) -> KFACCurvature:
         """The curvature core under its former name (``layers``, ``timings``, ...)."""
@@ -425,6 +428,8 @@ class KFAC(torch.optim.Optimizer):
             "steps": self.steps,
             "generator": self._generator.get_state(),
         }
+        if self.first_order is not None:
+            state["kaisa"]["first_order"] = self.first_order.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -441,6 +446,8 @@ class KFAC(torch.optim.Optimizer):
         if layers is not None:
             self.curvature.load_state_dict(layers, damping=self.damping)
         self._generator.set_state(extra["generator"])
+        if self.first_order is not None and "first_order" in extra:
+            self.first_order.load_state_dict(extra["first_order"])
         self._arm()
 
 

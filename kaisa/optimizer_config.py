@@ -23,16 +23,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kaisa.amp import LossScaling
 from kaisa.config import KFACConfig
 from kaisa.enums import parse_enum
 from kaisa.losses import Loss, LossKind, Reduction
 
-__all__ = ["ADAPTIVE", "Curvature", "JacobianMethod", "KFACOptimizerConfig", "StepSize"]
+__all__ = [
+    "ADAPTIVE",
+    "Curvature",
+    "FirstOrder",
+    "JacobianMethod",
+    "KFACOptimizerConfig",
+    "StepSize",
+    "default_first_order",
+]
 
 ADAPTIVE = "adaptive"
 #: A fixed step size: a number or a callable of the step.
 StepSize = float | Callable[[int], float]
+#: Builds the optimizer of the parameters no curvature block covers.
+FirstOrder = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 class Curvature(enum.Enum):
@@ -88,6 +100,7 @@ class KFACOptimizerConfig:
     weight_decay: float
     seed: int
     grad_scaler: Any
+    first_order: FirstOrder | None
     kfac: KFACConfig
     adaptive_lr: bool = field(init=False)
     adaptive_momentum: bool = field(init=False)
@@ -158,6 +171,11 @@ class KFACOptimizerConfig:
             raise ValueError(f"damping_decay must be < 1, got {self.damping_decay!r}")
         if not self.min_damping <= self.damping <= self.max_damping:
             raise ValueError("damping must lie in [min_damping, max_damping]")
+        if self.first_order is not None and not callable(self.first_order):
+            raise ValueError(
+                "first_order must be a callable building a torch.optim.Optimizer from a "
+                f"list of parameters, got {self.first_order!r}"
+            )
         if isinstance(self.weight_decay, bool) or not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         for name in ("damping", "min_damping", "max_damping", "weight_decay"):
@@ -169,6 +187,12 @@ class KFACOptimizerConfig:
         set_(self, "fisher_scaled", self.curvature is Curvature.MC or adaptive_lr)
         set_(self, "omega", self.damping_decay**self.damping_interval)
 
+    def first_order_rule(self) -> FirstOrder | None:
+        """The first-order rule of uncovered parameters; ``None``: the fixed SGD step."""
+        if self.first_order is not None:
+            return self.first_order
+        return default_first_order if self.adaptive_lr else None
+
     def fixed(self, name: str) -> float:
         """The param-group default of a fixed ``lr``/``momentum``.
 
@@ -177,6 +201,11 @@ class KFACOptimizerConfig:
         value = getattr(self, name)
         adaptive = self.adaptive_lr if name == "lr" else self.adaptive_momentum
         return math.nan if adaptive or callable(value) else float(value)
+
+
+def default_first_order(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW(params, lr=1e-3)`` (torch's betas, eps and weight decay)."""
+    return torch.optim.AdamW(params, lr=1e-3)
 
 
 def _is_adaptive(name: str, value: object) -> bool:

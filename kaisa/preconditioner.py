@@ -229,6 +229,14 @@ class KFACPreconditioner:
         """Registered layers (the core's curvature blocks) by module name."""
         return self._curvature.blocks
 
+    def coverage(self) -> dict[str, str]:
+        """``{parameter name: block kind or 'first-order'}`` for every trainable parameter.
+
+        The preconditioner leaves first-order gradients as they are (see
+        :meth:`kaisa.curvature.KFACCurvature.coverage`).
+        """
+        return self._curvature.coverage()
+
     @property
     def timings(self) -> dict[str, float]:
         """Cumulative host seconds by phase (on CUDA, launch time unless synchronised)."""

@@ -18,7 +18,7 @@ Gauss-Newton matrix of the loss on the batch (Martens & Grosse 2015, section 7):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -31,6 +31,7 @@ from kaisa.losses import Loss
 
 __all__ = [
     "ForwardLinearization",
+    "apply",
     "JacobianProducts",
     "Linearization",
     "gram",
@@ -258,6 +259,34 @@ def predicted_change(
     """
     undamped = quad - damping * squares.to(quad.device)
     return float(0.5 * coeffs @ undamped @ coeffs + lin @ coeffs)
+
+
+def apply(
+    params: list[torch.Tensor],
+    vectors: list[list[torch.Tensor]],
+    coeffs: torch.Tensor,
+    state: MutableMapping[Any, dict[str, Any]],
+) -> tuple[float, float]:
+    """``theta += alpha Delta + mu delta_prev``, kept as the next ``velocity``.
+
+    Args:
+        params: The parameters.
+        vectors: ``[Delta]`` or ``[Delta, delta_prev]``, one tensor per parameter.
+        coeffs: ``(alpha,)`` or ``(alpha, mu)``.
+        state: Per-parameter state (``Optimizer.state``); ``velocity`` is written.
+
+    Returns:
+        ``(alpha, mu)``.
+    """
+    alpha = float(coeffs[0])
+    mu = float(coeffs[1]) if len(vectors) > 1 else 0.0
+    for i, p in enumerate(params):
+        step = vectors[0][i].mul(alpha)
+        if len(vectors) > 1:
+            step.add_(vectors[1][i], alpha=mu)
+        p.add_(step)
+        state[p]["velocity"] = step
+    return alpha, mu
 
 
 def lm_damping(damping: float, rho: float, omega: float, low: float, high: float) -> float:

@@ -135,6 +135,8 @@ class CurvatureBlock:
 
     #: The module type this kind handles (set by each block kind).
     module_type: ClassVar[type[nn.Module]] = nn.Module
+    #: The kind's name in :meth:`kaisa.curvature.KFACCurvature.coverage`.
+    kind: ClassVar[str] = "block"
 
     def __init__(self, *, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
         self.name = name

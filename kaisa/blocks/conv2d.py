@@ -15,6 +15,7 @@ class Conv2dBlock(CurvatureBlock):
     """An ``nn.Conv2d``: ``A = (Pb/S)^T (Pb/S) / (N S)``, ``G = (D/S)^T (D/S) / (N S)``."""
 
     module_type = nn.Conv2d
+    kind = "conv2d"
 
     def __init__(self, *, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
         super().__init__(name=name, module=module, factor_dtype=factor_dtype)

@@ -15,6 +15,7 @@ class LinearBlock(CurvatureBlock):
     """An ``nn.Linear``: ``A = Xb^T Xb / M``, ``G = D^T D / M``."""
 
     module_type = nn.Linear
+    kind = "linear"
 
     def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
         """``Xb^T Xb / M``."""

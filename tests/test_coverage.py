@@ -1,0 +1,115 @@
+"""Coverage: every trainable parameter is preconditioned by a block or follows a first-order rule."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import kaisa
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+class _Net(nn.Module):
+    """Embedding tied to the head, a LayerNorm, a frozen Linear and a covered Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.norm = nn.LayerNorm(4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.hidden = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.frozen(self.norm(self.embed(tokens))))))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 7, (5, 3), generator=g), torch.randint(0, 7, (5, 3), generator=g)
+
+
+def test_coverage_names_every_trainable_parameter_once_and_logs_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    with caplog.at_level(logging.INFO, logger="kaisa"):
+        pre = kaisa.KFACPreconditioner(model)
+    want = {"embed.weight": "linear", "norm.weight": "first-order",
+            "norm.bias": "first-order", "hidden.weight": "linear", "hidden.bias": "linear"}
+    # the tied weight is listed once under its first name; the head's block covers it
+    assert pre.coverage() == want
+    assert list(pre.coverage()) == [n for n, p in model.named_parameters() if p.requires_grad]
+    lines = [r.getMessage() for r in caplog.records if "preconditions" in r.getMessage()]
+    assert lines == ["kaisa: K-FAC preconditions 3 of 5 trainable parameters (85.7% of the "
+                     "elements) in 2 blocks; first-order: norm.weight, norm.bias"]
+    opt = kaisa.KFAC(_Net(), loss="cross_entropy")
+    assert opt.coverage() == want
+
+
+def test_uncovered_parameters_follow_adamw_on_their_raw_gradients() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    reference = copy.deepcopy(model)
+    tokens, targets = _data()
+    opt = kaisa.KFAC(model, loss="cross_entropy")
+    assert isinstance(opt.first_order, torch.optim.AdamW)
+    opt.step(lambda: (model(tokens), targets))
+    loss = nn.functional.cross_entropy(reference(tokens).reshape(-1, 7), targets.reshape(-1))
+    loss.backward()
+    adamw = torch.optim.AdamW([reference.norm.weight, reference.norm.bias], lr=1e-3)
+    adamw.step()
+    assert torch.equal(model.norm.weight, reference.norm.weight)
+    assert torch.equal(model.norm.bias, reference.norm.bias)
+    assert not torch.equal(model.hidden.weight, reference.hidden.weight)  # K-FAC moved it
+    assert torch.equal(model.frozen.weight, reference.frozen.weight)
+
+
+def test_first_order_rule_is_configurable_and_resumes_bit_exactly() -> None:
+    def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    tokens, targets = _data()
+
+    def build() -> tuple[nn.Module, kaisa.KFAC]:
+        torch.manual_seed(0)
+        model = _Net()
+        return model, kaisa.KFAC(model, loss="cross_entropy", first_order=sgd)
+
+    def run(model: nn.Module, opt: kaisa.KFAC, steps: int) -> None:
+        for _ in range(steps):
+            opt.step(lambda: (model(tokens), targets))
+
+    model, opt = build()
+    assert isinstance(opt.first_order, torch.optim.SGD)
+    run(model, opt, 5)
+    half, half_opt = build()
+    run(half, half_opt, 3)
+    buf = io.BytesIO()
+    torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    assert resumed_opt.first_order is not None
+    assert resumed_opt.first_order.state_dict()["state"]  # momentum buffers came back
+    run(resumed, resumed_opt, 2)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="first_order must be a callable"):
+        kaisa.KFAC(_Net(), loss="cross_entropy", first_order="adamw")  # type: ignore[arg-type]
+
+
+def test_fixed_lr_steps_every_parameter_with_sgd() -> None:
+    opt = kaisa.KFAC(_Net(), loss="cross_entropy", curvature="empirical", lr=0.1, momentum=0.0)
+    assert opt.first_order is None
