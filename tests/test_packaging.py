@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 _BLOCK = "import sys\nfor m in ('numpy', 'sklearn', 'tqdm', 'matplotlib'):\n    sys.modules[m] = None\n"
 
@@ -38,3 +42,33 @@ def test_app_says_which_extra_is_missing() -> None:
     assert res.returncode == 2
     ours = [line for line in res.stderr.splitlines() if line.startswith("kaisa-train")]
     assert len(ours) == 1 and "kaisa[train]" in ours[0] and "numpy" in ours[0], res.stderr
+
+
+def test_source_tree_shadowing_the_installed_package_says_why_and_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """README flow: non-editable install, then ``python`` in the clone's root."""
+    import kaisa
+
+    installed = tmp_path / "site" / "kaisa"  # pip's copy: has the compiled extension
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    (installed / f"_C{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    clone = tmp_path / "clone"  # the source tree: no extension built in place
+    shutil.copytree(Path(kaisa.__file__).parent, clone / "kaisa",
+                    ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    code = (  # a development environment's editable-install finder would supply kaisa._C
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"
+        "import kaisa, kaisa.ops\nprint(kaisa.__file__, kaisa.ops.backend())\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=300, check=False, cwd=clone,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [str(clone / "kaisa" / "__init__.py"), "torch"], res.stdout
+    warning = " ".join(res.stderr.split())
+    assert "shadows the installed kaisa at" in warning and str(installed) in warning, warning
+    assert "run from another directory" in warning and "-e ." in warning, warning

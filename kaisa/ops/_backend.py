@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -40,6 +43,44 @@ def _register_fakes(fakes: Mapping[str, Callable[..., object]]) -> str | None:
     return None
 
 
+def _has_extension(package: Path) -> bool:
+    """Whether ``package`` holds a compiled ``_C`` module."""
+    return any(
+        (package / f"_C{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES
+    )
+
+
+def _source_tree_hint() -> str:
+    """Why ``kaisa._C`` is missing when this ``kaisa`` is an unbuilt source tree, and the fix.
+
+    After a non-editable ``pip install`` the extension lives in site-packages; Python puts
+    the current directory first on ``sys.path``, so running from the clone's root imports
+    the clone's ``kaisa/`` (no ``_C``) instead. Empty when that is not the case.
+    """
+    here = Path(__file__).resolve().parent.parent
+    if _has_extension(here):
+        return ""
+    fix = (
+        "run from another directory, or install with "
+        "'pip install --no-build-isolation -e .' (builds the extension in the source tree)"
+    )
+    for entry in sys.path:
+        candidate = Path(entry or os.getcwd()) / "kaisa"
+        with contextlib.suppress(OSError):
+            if candidate.resolve() != here and _has_extension(candidate):
+                return (
+                    f"kaisa is imported from the source tree {here}, which shadows the "
+                    f"installed kaisa at {candidate} (the current directory comes first on "
+                    f"sys.path); {fix}; "
+                )
+    if (here.parent / "pyproject.toml").is_file():
+        return (
+            f"kaisa is imported from the source tree {here}, which has no built extension; "
+            f"{fix}; "
+        )
+    return ""
+
+
 def _initial_backend() -> str:
     """Picks the backend at import time from the environment and the extension."""
     requested = os.environ.get(_ENV_VAR, "").strip().lower()
@@ -57,7 +98,7 @@ def _initial_backend() -> str:
         return "ext"
     warnings.warn(
         "kaisa._C extension could not be loaded, falling back to the pure-PyTorch "
-        f"backend (set {_ENV_VAR}=torch to silence this): {_EXT_ERROR}",
+        f"backend: {_source_tree_hint()}set {_ENV_VAR}=torch to silence this ({_EXT_ERROR})",
         RuntimeWarning,
         stacklevel=4,
     )

@@ -9,14 +9,17 @@ one :class:`CheckpointError` line, before anything of the run is touched.
 
 from __future__ import annotations
 
-import os
+import io
 import random
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from kaisa.train.files import write_atomic
 
 __all__ = [
     "CheckpointError",
@@ -25,6 +28,7 @@ __all__ = [
     "rng_state",
     "save",
     "set_rng_state",
+    "verify",
 ]
 
 #: Entries every kaisa-train checkpoint has.
@@ -73,11 +77,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` atomically: a crash mid-write keeps the previous checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    torch.save(payload, partial)
-    os.replace(partial, path)
+    """Write ``payload`` atomically: a crash mid-write keeps the previous checkpoint.
+
+    The bytes go to ``*.partial`` first, which is removed again if writing fails (disk
+    full, file-size limit, Ctrl-C), so a failed save leaves nothing behind.
+    """
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    write_atomic(path, buffer.getvalue())
+
+
+def verify(path: Path) -> None:
+    """Check every member of the checkpoint's zip archive against its stored CRC-32.
+
+    ``torch.load`` does not check them, so a flipped byte inside a tensor would
+    otherwise load as a silently altered tensor.
+
+    Raises:
+        CheckpointError: If the archive is unreadable or a member's CRC does not match.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"cannot resume from {path}: corrupt or not a checkpoint ({reason[:120]})"
+        ) from None
+    if bad is not None:
+        raise CheckpointError(
+            f"cannot resume from {path}: corrupt (checksum mismatch in {bad}); the file was "
+            "altered after it was written"
+        )
 
 
 def load(path: Path, device: torch.device) -> dict[str, Any]:
@@ -89,6 +120,8 @@ def load(path: Path, device: torch.device) -> dict[str, Any]:
     """
     if path.stat().st_size == 0:
         raise CheckpointError(f"cannot resume from {path}: the file is empty")
+    if zipfile.is_zipfile(path):
+        verify(path)
     try:
         payload = torch.load(path, map_location=device, weights_only=True)
     except Exception as err:  # every unreadable file is the same failure for the user
@@ -131,8 +164,14 @@ def check_matches(
         )
     saved = state.get("settings")
     if isinstance(saved, Mapping):
+        there, now = saved.get("world_size"), settings.get("world_size")
+        if there is not None and there != now:  # not recorded before: not compared
+            raise CheckpointError(
+                f"cannot resume from {path}: written by {there} processes, this run has "
+                f"{now} (resume with torchrun --nproc_per_node={there})"
+            )
         for key in sorted(set(saved) | set(settings)):
-            if key in RESUMABLE:
+            if key in RESUMABLE or key == "world_size":
                 continue
             if saved.get(key) != settings.get(key):
                 raise CheckpointError(

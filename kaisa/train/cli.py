@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import sys
@@ -21,6 +22,8 @@ from kaisa.train.data import (
     load_digits,
     make_synthetic,
 )
+from kaisa.train.files import write_atomic
+from kaisa.train.lock import RunDirBusyError, RunLock
 from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner
 from kaisa.train.options import build_parser
 from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, model_for, train
@@ -35,8 +38,10 @@ class UsageError(Exception):
     """A user error reported as ``kaisa-train: error: ...`` with exit code 2."""
 
 
-#: Exit statuses of ``kaisa-train``.
-EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_CHECKPOINT = 0, 1, 2, 3
+#: Exit statuses of ``kaisa-train``: done, diverged, usage error, cannot resume, cannot
+#: write the run's files (disk full, ``ulimit -f``, read-only), interrupted (Ctrl-C).
+EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_CHECKPOINT, EXIT_IO = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
 
 #: Files of a run directory that a new run would replace.
 RUN_FILES = ("metrics.jsonl", "summary.json", "table.md", "comparison.png")
@@ -62,6 +67,8 @@ def _complete(options: argparse.Namespace) -> None:
         options.threads = 1 if options.dataset == "digits" else 0
     if options.name is None:
         options.name = f"{options.dataset}-{options.model}-{options.task}"
+    if options.name.strip() in ("", ".", ".."):
+        raise UsageError(f"--name must name a run directory, got {options.name!r}")
 
 
 def _load_data(options: argparse.Namespace) -> Dataset:
@@ -98,14 +105,16 @@ def _check(config: argparse.Namespace, data: Dataset) -> None:
 
 
 def _specs(options: argparse.Namespace, parser: argparse.ArgumentParser) -> list[RunSpec]:
-    if not options.compare:
+    if options.compare is None:
         return [RunSpec(optimizer=options.optimizer, kfac=options.kfac)]
     try:
         specs = [parse_spec(item, parser) for item in options.compare.split(",") if item.strip()]
     except ValueError as error:
         raise UsageError(str(error)) from error
     labels = [spec.label for spec in specs]
-    if not specs or len(set(labels)) != len(labels):
+    if not specs:
+        raise UsageError(f"--compare needs at least one configuration, got {options.compare!r}")
+    if len(set(labels)) != len(labels):
         raise UsageError(f"--compare needs distinct configurations, got {options.compare!r}")
     return specs
 
@@ -120,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kaisa-train``; returns the exit status.
 
     0 ok, 1 a configuration diverged, 2 usage error, 3 a checkpoint cannot be resumed
-    from (every error is one line on stderr).
+    from, 4 the run's files cannot be written, 130 interrupted (every error is one line
+    on stderr).
     """
     parser = build_parser()
     options = parser.parse_args(argv)
@@ -135,11 +145,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         if context.is_main:
             print(f"kaisa-train: error: {failure}", file=sys.stderr)
         return EXIT_CHECKPOINT
+    except OSError as failure:
+        distributed.teardown(context, wait=False)
+        if context.is_main:
+            print(f"kaisa-train: error: {_io_message(failure)}", file=sys.stderr)
+        return EXIT_IO
+    except KeyboardInterrupt:
+        distributed.teardown(context, wait=False)
+        if context.is_main:
+            where = Path(options.run_dir) / (options.name or "")
+            print(
+                f"kaisa-train: interrupted; {where} keeps the last complete checkpoint and "
+                "its metrics (continue with --resume)",
+                file=sys.stderr,
+            )
+        return EXIT_INTERRUPTED
     except BaseException:
         distributed.teardown(context, wait=False)
         raise
     distributed.teardown(context)
     return status
+
+
+def _io_message(failure: OSError) -> str:
+    """One line for a failed write: the file, the reason, what is kept."""
+    what = f"cannot write {failure.filename}" if failure.filename else "cannot write the run"
+    reason = failure.strerror or str(failure)
+    kept = ""
+    if failure.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        kept = ("; the metrics written so far and the last complete checkpoint are kept, no "
+                "partial file is left (free space, then continue with --resume)")
+    return f"{what}: {reason}{kept}"
 
 
 def _existing_run_files(run_dir: Path) -> list[Path]:
@@ -150,20 +186,55 @@ def _existing_run_files(run_dir: Path) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
+def _not_a_file(options: argparse.Namespace, run_dir: Path) -> Exception | None:
+    """A run file or checkpoint path that exists but is no regular file (a directory)."""
+    if not run_dir.is_dir():
+        return None
+    paths = [run_dir / name for name in RUN_FILES] + sorted(run_dir.glob("checkpoint*.pt"))
+    for path in paths:
+        if path.exists() and not path.is_file():
+            if options.resume and path.suffix == ".pt":
+                return checkpoint.CheckpointError(
+                    f"cannot resume from {path}: it is a directory, not a checkpoint file"
+                )
+            return UsageError(
+                f"{path} is a directory, not a file; remove or rename it, or choose another "
+                "--name"
+            )
+    return None
+
+
 def _prepare_run_dir(
     options: argparse.Namespace, run_dir: Path, context: distributed.DistContext
-) -> None:
-    """Refuses to replace a previous run unless ``--overwrite``; then clears its files.
+) -> RunLock | None:
+    """Locks the run directory, refuses to replace a previous run, clears its files.
 
-    Every rank looks before any rank writes, and they agree (one all-reduce), so a fast
-    rank 0 creating the new run's files never makes a slower rank refuse it.
+    Rank 0 takes the lock (returned, to release at the end); a previous run is replaced
+    only with ``--overwrite``. Every rank looks before any rank writes, and they agree
+    (one all-reduce), so a fast rank 0 creating the new run's files never makes a slower
+    rank refuse it.
     """
+    lock: RunLock | None = None
+    problem: Exception | None = None
+    if context.is_main:
+        try:
+            lock = RunLock(run_dir)
+        except RunDirBusyError as busy:
+            problem = UsageError(str(busy))
+        except OSError as failure:
+            problem = failure
+        problem = problem or _not_a_file(options, run_dir)
     existing = [] if options.resume else _existing_run_files(run_dir)
     refuse = bool(existing) and not options.overwrite
-    flag = torch.tensor([1.0 if refuse else 0.0], dtype=torch.float64)
+    flags = torch.tensor([float(refuse), float(problem is not None)], dtype=torch.float64)
     if context.enabled:
-        flag = flag.to(context.device)
-    if float(distributed.all_reduce_sum(flag, context)[0]) > 0:
+        flags = flags.to(context.device)
+    distributed.all_reduce_sum(flags, context)
+    if float(flags[1]) > 0 or float(flags[0]) > 0:
+        if lock is not None:
+            lock.release()
+        if float(flags[1]) > 0:
+            raise problem or UsageError(f"{run_dir}: see rank 0")
         names = ", ".join(f.name for f in existing[:4]) or "see rank 0"
         raise UsageError(
             f"{run_dir} already holds a run ({names}); pass --resume to continue it or "
@@ -172,6 +243,7 @@ def _prepare_run_dir(
     if context.is_main:
         for f in existing:
             f.unlink()
+    return lock
 
 
 def _resume_states(
@@ -204,6 +276,7 @@ def _run(
     context: distributed.DistContext,
 ) -> int:
     _complete(options)
+    options.world_size = context.world_size  # recorded; --resume refuses another one
     if options.threads:
         torch.set_num_threads(options.threads)
     specs = _specs(options, parser)
@@ -215,10 +288,34 @@ def _run(
     for config in configs:
         _check(config, data)
     run_dir = Path(options.run_dir) / options.name
-    _prepare_run_dir(options, run_dir, context)
-    states = _resume_states(specs, configs, data, run_dir, context)  # nothing written yet
+    lock = _prepare_run_dir(options, run_dir, context)
+    try:
+        states = _resume_states(specs, configs, data, run_dir, context)  # nothing written yet
+        metrics = report.MetricsFile(path=run_dir / "metrics.jsonl") if context.is_main else None
+        try:
+            status = _train_all(options, specs, configs, states, data, run_dir, context, metrics)
+        except BaseException:
+            if metrics is not None:
+                metrics.abort()
+            raise
+    finally:
+        if lock is not None:
+            lock.release()
+    return status
+
+
+def _train_all(
+    options: argparse.Namespace,
+    specs: list[RunSpec],
+    configs: list[argparse.Namespace],
+    states: list[dict[str, Any] | None],
+    data: Dataset,
+    run_dir: Path,
+    context: distributed.DistContext,
+    metrics: report.MetricsFile | None,
+) -> int:
+    """Trains every configuration in turn; writes the summary, table and plot (rank 0)."""
     metric = report.target_metric(options.task, options.eval_train)
-    metrics = report.MetricsFile(path=run_dir / "metrics.jsonl") if context.is_main else None
     if metrics is not None:
         for config in configs:
             metrics.write_header(config.label, settings(config))
@@ -275,7 +372,7 @@ def _write_summary(
         return
     rows = report.summary_rows(results, metric, options.target)
     table = report.format_table(rows, metric, options.target)
-    (run_dir / "table.md").write_text(table + "\n", encoding="utf-8")
+    write_atomic(run_dir / "table.md", (table + "\n").encode("utf-8"))
     clean = [
         {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         for row in rows
@@ -289,7 +386,7 @@ def _write_summary(
         "configs": clean,
         "settings": {config.label: settings(config) for config in configs},
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    write_atomic(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     if options.plot:
         report.plot(results, metric, options.target, options.task, run_dir / "comparison.png")
     print(f"\n{metric.title}, target {options.target:g}:\n{table}\n")

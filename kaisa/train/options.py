@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from typing import NoReturn
 
 from kaisa.models import MODELS
@@ -21,6 +23,40 @@ examples:
 Options shown as 'tuned' default to values tuned per task and optimiser on
 digits (see docs/training.md); generic values are used for other datasets.
 """
+
+
+def _int_from(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= low`` (the error says so in one line)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _finite(*, low: float | None = None, positive: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float, optionally ``>= low`` or ``> 0``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if positive and value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _kl_clip(text: str) -> str:
@@ -236,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--image-size",
-        type=int,
+        type=_int_from(1),
         default=32,
         metavar="N",
         help="synthetic images are N x N (default: %(default)s)",
@@ -250,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--synthetic-size",
-        type=int,
+        type=_int_from(1),
         default=1024,
         metavar="N",
         help="synthetic training examples (test: N/4; default: %(default)s)",
@@ -283,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--time-budget",
-        type=float,
+        type=_finite(positive=True),
         default=None,
         metavar="SECONDS",
         help="stop each configuration after this much training time",
@@ -297,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--threads",
-        type=int,
+        type=_int_from(0),
         default=None,
         metavar="N",
         help="torch CPU threads; 0 = torch's choice (default: 1 for digits, where tiny models "
@@ -312,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimiser; kfac is kaisa.KFAC: K-FAC with adaptive lr, momentum and damping "
         "(default: %(default)s)",
     )
-    add("--lr", type=float, default=None, help="base learning rate (default: tuned)")
+    add("--lr", type=_finite(low=0.0), default=None, help="base learning rate (default: tuned)")
     add("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
     add(
         "--nesterov",
@@ -320,7 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="Nesterov momentum for SGD (default: off)",
     )
-    add("--weight-decay", type=float, default=0.0, help="weight decay (default: %(default)s)")
+    add(
+        "--weight-decay",
+        type=_finite(low=0.0),
+        default=0.0,
+        help="weight decay (default: %(default)s)",
+    )
     add(
         "--schedule",
         choices=SCHEDULES,
@@ -329,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--warmup-epochs",
-        type=float,
+        type=_finite(low=0.0),
         default=0.0,
         metavar="E",
         help="linear warmup length in epochs (default: %(default)s)",
@@ -355,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--target",
-        type=float,
+        type=_finite(),
         default=None,
         help="target: test accuracy (classify, default 0.97) or full-train MSE "
         "(autoencode, default 0.02)",
@@ -376,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--pg-timeout",
-        type=float,
+        type=_finite(positive=True),
         default=None,
         metavar="SECONDS",
         help="torch.distributed process-group timeout under torchrun (default: torch's, "
@@ -390,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--log-every",
-        type=int,
+        type=_int_from(1),
         default=1,
         metavar="N",
         help="print a summary line every N epochs (default: %(default)s)",

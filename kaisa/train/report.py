@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from kaisa.train.files import AppendFile, write_atomic
 from kaisa.train.trainer import Record, RunResult
 
 
@@ -60,32 +62,33 @@ class MetricsFile:
     """The run's ``metrics.jsonl``.
 
     At its head one ``{"type": "settings"}`` line per configuration (every resolved
-    option), then one JSON object per configuration and epoch.
+    option), then one JSON object per configuration and epoch. Only whole lines are
+    ever written (:class:`kaisa.train.files.AppendFile`); on ``--resume`` the old file
+    stays until the new one holds every record it had.
     """
 
     def __init__(self, *, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._handle: TextIO = path.open("w", encoding="utf-8")
+        self._file = AppendFile(path, is_header='{"type": "settings"')
 
     def write_header(self, label: str, settings: dict[str, Any]) -> None:
         """Write the resolved settings of configuration ``label``."""
-        self._handle.write(
-            json.dumps({"type": "settings", "config": label, "settings": settings}) + "\n"
-        )
-        self._handle.flush()
+        self._file.append(json.dumps({"type": "settings", "config": label, "settings": settings}))
 
     def write(self, record: Record) -> None:
-        """Append ``record`` (NaNs become ``null``) and flush."""
+        """Append ``record`` (NaNs become ``null``)."""
         clean = {
             k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()
         }
-        self._handle.write(json.dumps(clean) + "\n")
-        self._handle.flush()
+        self._file.append(json.dumps(clean))
 
     def close(self) -> None:
         """Close the file."""
-        self._handle.close()
+        self._file.close()
+
+    def abort(self) -> None:
+        """Close after a failure (keeps an old file the new one has not caught up with)."""
+        self._file.abort()
 
 
 def epoch_line(record: Record, epochs: int) -> str:
@@ -204,9 +207,10 @@ def plot(
         "x marks where a diverged configuration stopped"
     )
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
     plt.close(figure)
+    write_atomic(path, buffer.getvalue())
 
 
 def _train_key(results: Sequence[RunResult], task: str) -> str:

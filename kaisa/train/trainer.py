@@ -25,6 +25,7 @@ from kaisa.train import checkpoint
 from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
 from kaisa.train.distributed import DistContext, all_reduce_sum
+from kaisa.train.files import deferred_interrupt
 from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner, build_scheduler
 
 Record = dict[str, Any]
@@ -248,8 +249,10 @@ class Trainer:
             return {"loss": f"{loss:.4f}", "acc": f"{float(totals[1] / totals[2]):.3f}"}
         return {"mse": f"{loss:.4f}"}
 
-    def record(self, running: dict[str, float], partial: bool = False) -> None:
-        """Evaluate, append the epoch's metrics record and hand it to ``on_record``.
+    def record(
+        self, running: dict[str, float], partial: bool = False, emit: bool = True
+    ) -> Record:
+        """Evaluate, append the epoch's metrics record and (``emit``) hand it to ``on_record``.
 
         ``running`` holds the minibatch averages of the epoch (``train_loss``
         and, for classify, ``train_acc``, replaced by the full-set value when
@@ -277,7 +280,9 @@ class Trainer:
         record["seconds_per_iter"] = result.train_time / max(1, result.steps)
         record["wall"] = time.perf_counter() - self.started
         result.history.append(record)
-        self.on_record(record)
+        if emit:
+            self.on_record(record)
+        return record
 
     def _lr(self) -> float:
         """The learning rate of the last step (KFAC: the quadratic model's choice)."""
@@ -386,8 +391,10 @@ class Trainer:
         running = {"train_loss": float(totals[0] / totals[2])}
         if options.task == "classify":
             running["train_acc"] = float(totals[1] / totals[2])
-        self.record(running, partial=index + 1 < self.micro_batches)
-        self.save()
+        record = self.record(running, partial=index + 1 < self.micro_batches, emit=False)
+        with deferred_interrupt():  # checkpoint first, then its metrics line: never one alone
+            self.save()
+            self.on_record(record)
         return out_of_time
 
 
