@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa import quadratic
+from kaisa import optimizer_state, quadratic
 from kaisa.amp import LossScaling
 from kaisa.clipping import guarded_directions, write_preconditioned
 from kaisa.curvature import KFACCurvature
@@ -413,29 +413,26 @@ class KFAC(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state plus the curvature's, the damping and the sampler."""
         state = super().state_dict()
-        state["kaisa"] = {
-            "preconditioner": {"steps": self.steps, **self._schedules.state_dict(),
-                               "layers": self.curvature.state_dict()},
-            "damping": self.damping,
-            "steps": self.steps,
-            "generator": self._generator.get_state(),
-        }
+        state["kaisa"] = optimizer_state.saved(
+            steps=self.steps, damping=self.damping, schedules=self._schedules,
+            curvature=self.curvature, generator=self._generator,
+        )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` output (bit-exact resume)."""
-        extra = dict(state_dict)["kaisa"]
-        saved = extra["preconditioner"]
-        layers = saved.get("layers")
-        if layers is not None:
-            self.curvature.check_state_dict(layers)
+        """Restores :meth:`state_dict` output (bit-exact resume).
+
+        Everything is checked first (:func:`kaisa.optimizer_state.checked`): a malformed
+        or mismatched state raises ``ValueError`` and leaves the optimizer as it was.
+        """
+        saved = optimizer_state.checked(state_dict, schedules=self._schedules,
+                                        curvature=self.curvature, param_groups=self.param_groups)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
-        self.damping = float(extra["damping"])
-        self.steps = int(extra["steps"])
-        self._schedules.load_state_dict(saved)
-        if layers is not None:
-            self.curvature.load_state_dict(layers, damping=self.damping)
-        self._generator.set_state(extra["generator"])
+        self.damping, self.steps = saved.damping, saved.steps
+        self._schedules.load_state_dict(saved.schedules)
+        if saved.layers is not None:
+            self.curvature.load_state_dict(saved.layers, damping=self.damping)
+        self._generator.set_state(saved.generator)
         self._arm()
 
 
