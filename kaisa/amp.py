@@ -3,7 +3,8 @@
 KFAC runs several backward passes per step (Monte-Carlo samples, the true loss), so it
 scales each one, unscales the gradients once, skips the update of a step whose gradients
 overflowed and updates the scale at the end of the step. :class:`LossScaling` is that
-driver; with no scaler (or a disabled one) every method is the identity.
+driver; with no scaler (or a disabled one) it scales and unscales nothing, and a
+non-finite gradient is then a fault of the batch or the model, not an overflow.
 """
 
 from __future__ import annotations
@@ -62,14 +63,13 @@ class LossScaling:
         scale: torch.Tensor = scaler.scale(one)
         return loss * scale.to(loss.dtype).reshape(())
 
-    def unscale_overflowed(self, optimizer: torch.optim.Optimizer,
+    def unscale_non_finite(self, optimizer: torch.optim.Optimizer,
                            params: list[torch.Tensor]) -> bool:
-        """Unscales the gradients of ``optimizer``; whether any is not finite."""
+        """Unscales the gradients of ``optimizer`` (if scaled); whether any is not finite."""
         scaler = self.active()
-        if scaler is None:
-            return False
         try:
-            scaler.unscale_(optimizer)
+            if scaler is not None:
+                scaler.unscale_(optimizer)
         except RuntimeError as err:
             raise ValueError(
                 "KFAC drives its grad_scaler: call opt.step() (not scaler.step(opt)) and do "

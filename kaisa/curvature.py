@@ -226,6 +226,7 @@ class KFACCurvature:
         """Forgets what was recorded since the last step (no step follows)."""
         for block in self._blocks.values():
             block.stats.clear()
+        self._engine.drop_pending()
         self._recorder.end_step()
 
     # ------------------------------------------------------------------ ranks

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+import warnings
 from typing import Any
 
 import torch
@@ -37,8 +37,9 @@ from torch import nn
 from kaisa import optimizer_state, quadratic
 from kaisa.amp import LossScaling
 from kaisa.clipping import guarded_directions, write_preconditioned
+from kaisa.closure import Closure, RandomState, call, full, preserved, random_state
 from kaisa.curvature import KFACCurvature
-from kaisa.first_order import sgd_update
+from kaisa.first_order import fixed_value, sgd_update
 from kaisa.hyperparams import Schedules
 from kaisa.losses import Loss, LossKind, Reduction
 from kaisa.optimizer_config import ADAPTIVE, Curvature, KFACOptimizerConfig, StepSize
@@ -46,11 +47,8 @@ from kaisa.quadratic import lm_damping
 
 __all__ = ["KFAC", "Curvature", "lm_damping"]
 
-Closure = Callable[[], tuple[torch.Tensor, torch.Tensor]]
-
 #: The core's schedules KFAC evaluates (numbers or callables of the step).
 _SCHEDULES = ("factor_update_steps", "inv_update_steps", "factor_decay", "kl_clip")
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class KFAC(torch.optim.Optimizer):
@@ -105,6 +103,11 @@ class KFAC(torch.optim.Optimizer):
         grad_scaler: Any = None,
         **preconditioner: Any,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"model must be a torch.nn.Module (KFAC(model, loss=...), not "
+                f"KFAC(model.parameters(), ...)), got {type(model).__name__}"
+            )
         self.config = config = KFACOptimizerConfig.of(
             loss=loss, reduction=reduction, curvature=curvature, preconditioner=preconditioner,
             mc_samples=mc_samples, lr=lr, momentum=momentum, damping=damping,
@@ -144,13 +147,30 @@ class KFAC(torch.optim.Optimizer):
 
         Returns:
             The loss (detached) when a closure is given, else ``None``.
+
+        Raises:
+            TypeError: If the closure does not return ``(outputs, targets)``.
+            ValueError: If its outputs carry no graph, or the targets do not fit the loss.
+
+        Whatever raises, the statistics the step recorded are dropped. A step whose
+        gradient is not finite (with a finite loss) changes no parameter and warns.
         """
+        try:
+            return self._step(closure)
+        except BaseException:
+            self.curvature.discard()  # the aborted forward leaks into no later step
+            raise
+
+    def _step(self, closure: Closure | None) -> torch.Tensor | None:
         cfg = self.config
         if closure is None and (cfg.adaptive_lr or cfg.curvature is Curvature.MC):
             raise ValueError(
                 "KFAC.step() needs a closure returning (outputs, targets) for "
                 "curvature='mc' or lr='adaptive'"
             )
+        adapt = cfg.adaptive_damping and self.steps % cfg.damping_interval == 0
+        # the LM rule's forward starts from the random state of the step's forward
+        start_state = random_state() if adapt and closure is not None else None
         outputs = loss = linearization = None
         if closure is not None:
             outputs, loss, linearization, diverged = self._loss_and_curvature(closure)
@@ -158,10 +178,16 @@ class KFAC(torch.optim.Optimizer):
                 return loss.detach()
         params = self._params()
         start = time.perf_counter()
-        if self.scaling.unscale_overflowed(self, params):  # no update, a smaller scale
+        if self.curvature.any_rank(self.scaling.unscale_non_finite(self, params)):
+            overflow = self.scaling.active() is not None  # else e.g. an inf input to a tanh
+            if not overflow:
+                warnings.warn(f"kaisa.KFAC: non-finite gradient at step {self.steps} with a "
+                              "finite loss (an infinite or NaN input?); no parameter changed",
+                              RuntimeWarning, stacklevel=5)
             self._update_curvature()  # consumes the step's statistics (non-finite G skipped)
             self.timings["precondition"] += time.perf_counter() - start
-            self.last = {"lr": 0.0, "momentum": 0.0, "damping": self.damping, "overflow": 1.0}
+            self.last = {"lr": 0.0, "momentum": 0.0, "damping": self.damping,
+                         "overflow" if overflow else "non_finite_gradient": 1.0}
             self._end_step()
             return None if loss is None else loss.detach()
         if cfg.adaptive_lr:
@@ -182,9 +208,9 @@ class KFAC(torch.optim.Optimizer):
             self.timings["update"] += time.perf_counter() - start
             self.last = {"lr": -alpha, "momentum": mu, "damping": self.damping,
                          "predicted_change": predicted, "loss": loss_before}
-            if cfg.adaptive_damping and self.steps % cfg.damping_interval == 0:
+            if start_state is not None:
                 start = time.perf_counter()
-                self._adapt_damping(closure, loss_before, predicted)
+                self._adapt_damping(closure, loss_before, predicted, start_state)
                 self.timings["damping"] += time.perf_counter() - start
         else:
             self._update_curvature()
@@ -215,22 +241,23 @@ class KFAC(torch.optim.Optimizer):
         start = time.perf_counter()
         linearization = None
         with torch.enable_grad():
-            outputs, targets = closure()
-            self._reduced_precision = outputs.dtype in _HALF
-            outputs = _full(outputs)
+            outputs, targets = call(closure)
+            self._reduced_precision = outputs.dtype in (torch.float16, torch.bfloat16)
+            outputs = full(outputs)
             loss = self.loss(outputs, targets)
             if curvature.any_rank(not bool(torch.isfinite(loss))):
                 curvature.discard()  # diverged: no update, the caller sees the loss
                 return outputs, loss, None, True
             keep = cfg.adaptive_lr
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
             params = self._params()
-            for p in params:
-                p.grad = None
             fisher = (math.sqrt(self.loss.scale(outputs) / self.loss.examples(outputs))
                       if cfg.fisher_scaled else 1.0)
             divisor = self.scaling.divisor(fisher)
             scaled = self.scaling.scaled
-            if cfg.curvature is Curvature.MC and factor_step and outputs.requires_grad:
+            if cfg.curvature is Curvature.MC and factor_step:
                 with curvature.output_gradients(passes=cfg.mc_samples, divisor=divisor):
                     for sample in range(cfg.mc_samples):
                         targets_mc = self.loss.sample_targets(outputs, self._generator)
@@ -275,7 +302,8 @@ class KFAC(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(params)}
         for block, matrix in guarded_directions(results, kl_clip=None, lr=1.0):
             for p, part in zip(block.parameters(), block.split(matrix), strict=True):
-                directions[index[id(p)]] = part
+                if id(p) in index:  # not a frozen parameter
+                    directions[index[id(p)]] = part
         return raw, directions
 
     def _coefficients(
@@ -327,12 +355,17 @@ class KFAC(torch.optim.Optimizer):
             group["lr"], group["momentum"] = -alpha, mu
         return alpha, mu
 
-    def _adapt_damping(self, closure: Closure, loss_before: float, predicted: float) -> None:
-        """The LM rule on ``rho = (L(theta + delta) - L(theta)) / m0(delta)``."""
+    def _adapt_damping(
+        self, closure: Closure, loss_before: float, predicted: float, start: RandomState
+    ) -> None:
+        """The LM rule on ``rho = (L(theta + delta) - L(theta)) / m0(delta)``.
+
+        Its forward changes no module state (:func:`kaisa.closure.preserved`).
+        """
         cfg = self.config
-        with torch.no_grad():
-            after_outputs, after_targets = closure()
-            after = self.loss(_full(after_outputs), after_targets).detach().double()
+        with torch.no_grad(), preserved(self._model, start):
+            after_outputs, after_targets = call(closure)
+            after = self.loss(full(after_outputs), after_targets).detach().double()
         loss_after = float(self.curvature.mean_over_ranks(after[None])[0])
         rho = (loss_after - loss_before) / predicted if predicted < 0 else -math.inf
         self.damping = lm_damping(self.damping, rho, cfg.omega, cfg.min_damping,
@@ -375,22 +408,13 @@ class KFAC(torch.optim.Optimizer):
             "factor_update_steps", steps) == 0
 
     def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
+        """The trainable parameters (one frozen after construction is skipped)."""
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _current(self, name: str) -> float:
-        """The fixed ``lr``/``momentum`` of this step.
-
-        A callable's value, else the param group's (which LR schedulers may change).
-        """
+        """The fixed ``lr``/``momentum`` of this step (:func:`~kaisa.first_order.fixed_value`)."""
         schedule = self.config.lr if name == "lr" else self.config.momentum
-        if callable(schedule):
-            value = float(schedule(self.steps))
-            for group in self.param_groups:
-                group[name] = value
-        value = float(self.param_groups[0][name])
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} at step {self.steps} is {value}, not a number >= 0")
-        return value
+        return fixed_value(name, schedule, self.param_groups, self.steps)
 
     def _sgd_update(self, params: list[torch.Tensor]) -> None:
         """``torch.optim.SGD`` (momentum, weight decay after preconditioning), exactly."""
@@ -434,11 +458,6 @@ class KFAC(torch.optim.Optimizer):
             self.curvature.load_state_dict(saved.layers, damping=self.damping)
         self._generator.set_state(saved.generator)
         self._arm()
-
-
-def _full(outputs: torch.Tensor) -> torch.Tensor:
-    """Half-precision outputs (autocast) as float32, for the loss and the quadratic model."""
-    return outputs.float() if outputs.dtype in _HALF else outputs
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
