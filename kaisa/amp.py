@@ -6,11 +6,13 @@ overflowed (the factors of that step are skipped too) and updates the scale at t
 of the step. Do not call ``scaler.step``/``scaler.update`` yourself; without a closure
 call ``scaler.scale(loss).backward()`` then ``opt.step()``. Losses and the quadratic model
 are computed in float32 from half-precision outputs. :class:`LossScaling` is that
-driver; with no scaler (or a disabled one) every method is the identity.
+driver; with no scaler (or a disabled one) it scales and unscales nothing, and a
+non-finite gradient is then a fault of the batch or the model, not an overflow.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -73,14 +75,13 @@ class LossScaling:
         scale: torch.Tensor = scaler.scale(one)
         return loss * scale.to(loss.dtype).reshape(())
 
-    def unscale_overflowed(self, optimizer: torch.optim.Optimizer,
+    def unscale_non_finite(self, optimizer: torch.optim.Optimizer,
                            params: list[torch.Tensor]) -> bool:
-        """Unscales the gradients of ``optimizer``; whether any is not finite."""
+        """Unscales the gradients of ``optimizer`` (if scaled); whether any is not finite."""
         scaler = self.active()
-        if scaler is None:
-            return False
         try:
-            scaler.unscale_(optimizer)
+            if scaler is not None:
+                scaler.unscale_(optimizer)
         except RuntimeError as err:
             raise ValueError(
                 "KFAC drives its grad_scaler: call opt.step() (not scaler.step(opt)) and do "
@@ -88,6 +89,19 @@ class LossScaling:
             ) from err
         grads = [p.grad for p in params if p.grad is not None]
         return bool(grads) and not bool(torch.stack([all_finite(g) for g in grads]).all())
+
+    def skipped_step(self, step: int) -> str:
+        """Why a step with non-finite gradients takes no update.
+
+        An overflow of the loss scale (``'overflow'``), or, without a scaler, a fault of
+        the batch or the model (``'non_finite_gradient'``, with a warning).
+        """
+        if self.active() is not None:
+            return "overflow"
+        warnings.warn(f"kaisa.KFAC: non-finite gradient at step {step} with a finite loss "
+                      "(an infinite or NaN input?); no parameter changed",
+                      RuntimeWarning, stacklevel=6)
+        return "non_finite_gradient"
 
     def update(self) -> None:
         """Ends the step: the scaler adapts its scale."""

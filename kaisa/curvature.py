@@ -251,6 +251,7 @@ class KFACCurvature:
         """Forgets what was recorded since the last step (no step follows)."""
         for block in self._blocks.values():
             block.stats.clear()
+        self._engine.drop_pending()
         self._recorder.end_step()
 
     # ------------------------------------------------------------------ ranks
@@ -271,8 +272,14 @@ class KFACCurvature:
         """Per block: running factors, skip counts and decompositions."""
         return {name: block.state_dict() for name, block in self._blocks.items()}
 
-    def check_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Raises ``ValueError`` unless ``state`` names exactly this core's blocks."""
+    def check_state_dict(self, state: object) -> None:
+        """Raises ``ValueError`` unless ``state`` holds a valid state of every block.
+
+        It must name exactly this core's blocks, each checked by
+        :meth:`~kaisa.blocks.CurvatureBlock.check_state_dict` (shapes, finiteness).
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state_dict layers is a {type(state).__name__}, not a dict")
         missing = set(self._blocks) - set(state)
         extra = set(state) - set(self._blocks)
         if missing or extra:
@@ -280,17 +287,22 @@ class KFACCurvature:
                 "state_dict layers do not match the registered layers: "
                 f"missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
+        for name, block in self._blocks.items():
+            block.check_state_dict(state[name])
 
     def load_state_dict(
         self, state: Mapping[str, Any], *, damping: float, compute_inverses: bool = True
     ) -> None:
-        """Restores :meth:`state_dict` output.
+        """Restores :meth:`state_dict` output (checked first: all or nothing).
 
         Args:
             state: The saved per-block state.
             damping: The damping for blocks saved without decompositions.
             compute_inverses: Recompute decompositions from the factors where they were
                 not saved (saved ones are restored as they were: bit-exact resume).
+
+        Raises:
+            ValueError: If the state is malformed (see :meth:`check_state_dict`).
         """
         self.check_state_dict(state)
         for name, block in self._blocks.items():

@@ -2,17 +2,41 @@
 
 :func:`sgd_update` is ``torch.optim.SGD``'s rule (momentum, then weight decay added to
 the direction) written once, so :class:`kaisa.KFAC`'s fixed mode equals
-``KFACPreconditioner`` + ``torch.optim.SGD`` bit for bit.
+``KFACPreconditioner`` + ``torch.optim.SGD`` bit for bit; :func:`fixed_value` is the
+``lr``/``momentum`` such a step uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+import math
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["sgd_update"]
+__all__ = ["fixed_value", "sgd_update"]
+
+
+def fixed_value(
+    name: str, schedule: float | Callable[[int], float] | str,
+    param_groups: list[dict[str, Any]], step: int,
+) -> float:
+    """A fixed ``lr``/``momentum`` at ``step``.
+
+    A callable's value (written into the param groups), else the param group's (which
+    LR schedulers may change).
+
+    Raises:
+        ValueError: If it is not a finite number ``>= 0``.
+    """
+    if callable(schedule):
+        value = float(schedule(step))
+        for group in param_groups:
+            group[name] = value
+    value = float(param_groups[0][name])
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} at step {step} is {value}, not a number >= 0")
+    return value
 
 
 def sgd_update(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "Schedule",
     "Schedules",
     "check_bounded",
+    "check_count",
     "check_float",
     "check_int",
     "evaluate",
@@ -98,6 +99,24 @@ def check_int(name: str, value: object, *, low: int = 1) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def check_count(name: str, value: object) -> int:
+    """Validates a saved counter (an ``int >= 0``, not a callable or a string).
+
+    Args:
+        name: The counter's name in the message.
+        value: The saved value.
+
+    Returns:
+        The value.
+
+    Raises:
+        ValueError: Naming the counter and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"state_dict {name} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def evaluate(name: str, value: Schedule[T], step: int, kind: type[T]) -> T:
@@ -204,8 +223,30 @@ class Schedules:
         """The values that are not callables."""
         return {name: v for name, v in self._values.items() if not callable(v)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores saved values, except where this product holds a callable."""
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raises ``ValueError`` unless every value :meth:`load_state_dict` would take is valid.
+
+        A value must pass the constructor's checks (``kl_clip`` may be ``None``).
+        """
+        for name, current in self._values.items():
+            if name not in state or callable(current):
+                continue
+            value = state[name]
+            try:
+                if callable(value):
+                    raise ValueError(f"{name} must be a number, got {value!r}")
+                if name not in FLOAT_BOUNDS:
+                    check_int(name, value)
+                elif value is not None or name != "kl_clip":
+                    check_bounded(name, value)
+            except ValueError as err:
+                raise ValueError(f"state_dict {err}") from None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores saved values, except where this product holds a callable.
+
+        Check them with :meth:`check_state_dict` first.
+        """
         for name, value in self._values.items():
             if name in state and not callable(value):
                 self._values[name] = state[name]

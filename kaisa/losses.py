@@ -94,10 +94,18 @@ class MSELoss(Loss):
     kind = LossKind.MSE
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss value."""
-        value: torch.Tensor = F.mse_loss(
-            outputs, targets.reshape(outputs.shape), reduction=self.reduction.value
-        )
+        """The loss value.
+
+        Raises:
+            ValueError: Unless ``targets`` has the shape of ``outputs`` (no broadcasting
+                or reshaping: a ``(N, 1)`` output needs ``(N, 1)`` targets).
+        """
+        if targets.shape != outputs.shape:
+            raise ValueError(
+                f"mse targets of shape {_shape(targets)} do not match outputs of shape "
+                f"{_shape(outputs)}; they must have the same shape"
+            )
+        value: torch.Tensor = F.mse_loss(outputs, targets, reduction=self.reduction.value)
         return value
 
     def examples(self, outputs: torch.Tensor) -> int:
@@ -124,12 +132,28 @@ class MSELoss(Loss):
 
 
 class CrossEntropyLoss(Loss):
-    """``F.cross_entropy`` with class logits in the last dimension and integer targets."""
+    """``F.cross_entropy`` with class logits in the last dimension and integer targets.
+
+    Outputs ``(..., C)`` (e.g. ``(N, C)``, or ``(B, T, C)`` for a sequence model) take
+    class indices of shape ``(...)``. The class dimension is the last one, not torch's
+    dimension 1: a model's logits need no permute.
+    """
 
     kind = LossKind.CROSS_ENTROPY
 
     def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss value over every position."""
+        """The loss value over every position.
+
+        Raises:
+            ValueError: Unless ``targets`` has the shape of ``outputs`` without its last
+                (class) dimension.
+        """
+        if outputs.dim() == 0 or targets.shape != outputs.shape[:-1]:
+            raise ValueError(
+                f"cross_entropy targets of shape {_shape(targets)} do not match outputs of "
+                f"shape {_shape(outputs)}; with class logits in the last dimension the "
+                f"targets (class indices) must have shape {_shape(outputs)[:-1]}"
+            )
         logits = outputs.reshape(-1, outputs.shape[-1])
         value: torch.Tensor = F.cross_entropy(
             logits, targets.reshape(-1), reduction=self.reduction.value
@@ -160,6 +184,10 @@ class CrossEntropyLoss(Loss):
         a, b = ju.double().reshape(p.shape), jv.double().reshape(p.shape)
         form = (p * a * b).sum() - ((p * a).sum(-1) * (p * b).sum(-1)).sum()
         return form * self.scale(outputs)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
 
 
 #: The loss class of each kind.

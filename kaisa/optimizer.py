@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from kaisa import quadratic
+from kaisa import optimizer_state, quadratic
 from kaisa.amp import HALF, LossScaling, full_precision_outputs
 from kaisa.clipping import guarded_directions, write_preconditioned
+from kaisa.closure import Closure, call
 from kaisa.curvature import KFACCurvature
-from kaisa.first_order import sgd_update
+from kaisa.first_order import fixed_value, sgd_update
 from kaisa.hyperparams import Schedules
 from kaisa.losses import Loss, LossKind, Reduction
 from kaisa.optimizer_config import (
@@ -48,8 +48,6 @@ from kaisa.quadratic import lm_damping
 from kaisa.replay import RandomState, replayed
 
 __all__ = ["KFAC", "Curvature", "lm_damping"]
-
-Closure = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
 _PHASES = ("loss_and_grad", "precondition", "quadratic_model", "damping", "update")
 #: The core's schedules KFAC evaluates (numbers or callables of the step).
@@ -117,6 +115,11 @@ class KFAC(torch.optim.Optimizer):
         first_order: FirstOrder | None = None,
         **preconditioner: Any,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"model must be a torch.nn.Module (KFAC(model, loss=...), not "
+                f"KFAC(model.parameters(), ...)), got {type(model).__name__}"
+            )
         arguments = {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")}
         self.config = config = KFACOptimizerConfig.of(**arguments)
         self.loss: Loss = config.loss
@@ -157,24 +160,42 @@ class KFAC(torch.optim.Optimizer):
 
         Returns:
             The loss (detached) when a closure is given, else ``None``.
+
+        Raises:
+            TypeError: If the closure does not return ``(outputs, targets)``.
+            ValueError: If its outputs carry no graph, or the targets do not fit the loss.
+
+        Whatever raises, the statistics the step recorded are dropped. A step whose
+        gradient is not finite (with a finite loss) changes no parameter and warns.
         """
+        try:
+            return self._step(closure)
+        except BaseException:
+            self.curvature.discard()  # the aborted forward leaks into no later step
+            raise
+
+    def _step(self, closure: Closure | None) -> torch.Tensor | None:
         cfg = self.config
         if closure is None and (cfg.adaptive_lr or cfg.curvature is Curvature.MC):
             raise ValueError(
                 "KFAC.step() needs a closure returning (outputs, targets) for "
                 "curvature='mc' or lr='adaptive'"
             )
+        adapt = cfg.adaptive_damping and self.steps % cfg.damping_interval == 0
+        # replayed forward passes (J v, the LM rule) start from the step forward's state
+        rng = RandomState.capture() if closure is not None and cfg.adaptive_lr else None
         outputs = loss = linearization = None
         if closure is not None:
-            outputs, loss, linearization, diverged = self._loss_and_curvature(closure)
+            outputs, loss, linearization, diverged = self._loss_and_curvature(closure, rng)
             if diverged:
                 return loss.detach()
         params = self._params()
         start = time.perf_counter()
-        if self.scaling.unscale_overflowed(self, params):  # no update, a smaller scale
+        if self.curvature.any_rank(self.scaling.unscale_non_finite(self, params)):
+            kind = self.scaling.skipped_step(self.steps)  # an overflow, or warned about
             self._update_curvature()  # consumes the step's statistics (non-finite G skipped)
             self.timings["precondition"] += time.perf_counter() - start
-            self.last = {"lr": 0.0, "momentum": 0.0, "damping": self.damping, "overflow": 1.0}
+            self.last = {"lr": 0.0, "momentum": 0.0, "damping": self.damping, kind: 1.0}
             self._end_step()
             return None if loss is None else loss.detach()
         params = [p for p in params if id(p) not in self._first_order_ids]
@@ -186,10 +207,15 @@ class KFAC(torch.optim.Optimizer):
             velocity = [self.state[p].get("velocity") for p in params]
             if cfg.adaptive_momentum and all(v is not None for v in velocity):
                 vectors.append([v for v in velocity if v is not None])
-            start = time.perf_counter()
-            coeffs, predicted, loss_before = self._coefficients(
-                params, raw, vectors, outputs, loss, linearization
-            )
+            start = time.perf_counter()  # coefficients: the model's minimiser, over ranks
+            quad, lin, sq = self.quadratic_model(outputs, params, raw, vectors, linearization)
+            k = len(vectors)
+            reduced = self.curvature.mean_over_ranks(torch.cat([quad.flatten(), lin,
+                                                                loss.detach().double()[None]]))
+            coeffs, predicted = quadratic.minimise(reduced[: k * k].view(k, k),
+                                                   reduced[k * k : k * k + k], sq, self.damping)
+            del vectors[len(coeffs):]  # momentum collinear with the direction was dropped
+            loss_before = float(reduced[-1])
             self.timings["quadratic_model"] += time.perf_counter() - start
             start = time.perf_counter()
             alpha, mu = quadratic.apply(params, vectors, coeffs, self.state)
@@ -198,9 +224,9 @@ class KFAC(torch.optim.Optimizer):
             self.timings["update"] += time.perf_counter() - start
             self.last = {"lr": -alpha, "momentum": mu, "damping": self.damping,
                          "predicted_change": predicted, "loss": loss_before}
-            if cfg.adaptive_damping and self.steps % cfg.damping_interval == 0:
+            if adapt and rng is not None:
                 start = time.perf_counter()
-                self._adapt_damping(closure, loss_before, predicted)
+                self._adapt_damping(closure, loss_before, predicted, rng)
                 self.timings["damping"] += time.perf_counter() - start
         else:
             self._update_curvature()
@@ -220,7 +246,7 @@ class KFAC(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ phases
     def _loss_and_curvature(
-        self, closure: Closure
+        self, closure: Closure, rng: RandomState | None
     ) -> tuple[torch.Tensor, torch.Tensor, quadratic.JacobianProducts | None, bool]:
         """The loss, the gradient and (on factor steps) the statistics of the batch.
 
@@ -234,9 +260,8 @@ class KFAC(torch.optim.Optimizer):
         start = time.perf_counter()
         linearization: quadratic.JacobianProducts | None = None
         forward_mode = cfg.adaptive_lr and cfg.jvp is JacobianMethod.FORWARD
-        rng = RandomState.capture() if forward_mode else None
         with torch.enable_grad():
-            outputs, targets = closure()
+            outputs, targets = call(closure)
             self._reduced_precision = outputs.dtype in HALF
             outputs = full_precision_outputs(outputs)
             loss = self.loss(outputs, targets)
@@ -244,10 +269,12 @@ class KFAC(torch.optim.Optimizer):
                 curvature.discard()  # diverged: no update, the caller sees the loss
                 return outputs, loss, None, True
             keep = cfg.adaptive_lr and not forward_mode
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
             params = self._params()
-            for p in params:
-                p.grad = None
-            if rng is not None:
+            if forward_mode:
+                assert rng is not None
                 covered = [p for p in params if id(p) not in self._first_order_ids]
                 linearization = quadratic.ForwardLinearization(
                     self._model, lambda: full_precision_outputs(closure()[0]), covered,
@@ -257,7 +284,7 @@ class KFAC(torch.optim.Optimizer):
                       if cfg.fisher_scaled else 1.0)
             divisor = self.scaling.divisor(fisher)
             scaled = self.scaling.scaled
-            if cfg.curvature is Curvature.MC and factor_step and outputs.requires_grad:
+            if cfg.curvature is Curvature.MC and factor_step:
                 with curvature.output_gradients(passes=cfg.mc_samples, divisor=divisor):
                     for sample in range(cfg.mc_samples):
                         targets_mc = self.loss.sample_targets(outputs, self._generator)
@@ -291,10 +318,7 @@ class KFAC(torch.optim.Optimizer):
     def _direction(
         self, params: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``g`` (plus weight decay) and the preconditioned direction, per parameter.
-
-        Parameters without a block, and blocks whose result is not finite, keep ``g``.
-        """
+        """``g`` (+ weight decay) and the preconditioned direction (``g`` where none)."""
         wd = self.config.weight_decay
         raw = [_grad(p).add(p, alpha=wd) if wd else _grad(p) for p in params]
         self._update_curvature()
@@ -304,39 +328,21 @@ class KFAC(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(params)}
         for block, matrix in guarded_directions(results, kl_clip=None, lr=1.0):
             for p, part in zip(block.parameters(), block.split(matrix), strict=True):
-                directions[index[id(p)]] = part
+                if id(p) in index:  # not a frozen parameter
+                    directions[index[id(p)]] = part
         return raw, directions
 
-    def _coefficients(
-        self,
-        params: list[torch.Tensor],
-        raw: list[torch.Tensor],
-        vectors: list[list[torch.Tensor]],
-        outputs: torch.Tensor,
-        loss: torch.Tensor,
-        linearization: quadratic.JacobianProducts | None,
-    ) -> tuple[torch.Tensor, float, float]:
-        """The quadratic model's minimiser over ``vectors`` (averaged over ranks).
+    def _adapt_damping(
+        self, closure: Closure, loss_before: float, predicted: float, start: RandomState
+    ) -> None:
+        """The LM rule on ``rho = (L(theta + delta) - L(theta)) / m0(delta)``.
 
-        Returns:
-            ``(coefficients, predicted change, loss before)``; momentum collinear with the
-            direction is dropped (``vectors`` shrinks), a degenerate model gives zeros.
+        Its forward replays the step's (:func:`kaisa.replay.replayed`): the same dropout
+        masks, and no module state or random stream changes.
         """
-        quad, lin, sq = self.quadratic_model(outputs, params, raw, vectors, linearization)
-        reduced = self.curvature.mean_over_ranks(
-            torch.cat([quad.flatten(), lin, loss.detach().double()[None]])
-        )
-        k = len(vectors)
-        quad, lin = reduced[: k * k].view(k, k), reduced[k * k : k * k + k]
-        coeffs, predicted = quadratic.minimise(quad, lin, sq, self.damping)
-        del vectors[len(coeffs):]  # momentum collinear with the direction was dropped
-        return coeffs, predicted, float(reduced[-1])
-
-    def _adapt_damping(self, closure: Closure, loss_before: float, predicted: float) -> None:
-        """The LM rule on ``rho = (L(theta + delta) - L(theta)) / m0(delta)``."""
         cfg = self.config
-        with torch.no_grad():
-            outputs, targets = closure()
+        with torch.no_grad(), replayed(self._model, start):
+            outputs, targets = call(closure)
             after = self.loss(full_precision_outputs(outputs), targets).detach().double()
         loss_after = float(self.curvature.mean_over_ranks(after[None])[0])
         rho = (loss_after - loss_before) / predicted if predicted < 0 else -math.inf
@@ -379,22 +385,13 @@ class KFAC(torch.optim.Optimizer):
             "factor_update_steps", steps) == 0
 
     def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
+        """The trainable parameters (one frozen after construction is skipped)."""
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _current(self, name: str) -> float:
-        """The fixed ``lr``/``momentum`` of this step.
-
-        A callable's value, else the param group's (which LR schedulers may change).
-        """
+        """The fixed ``lr``/``momentum`` of this step (:func:`~kaisa.first_order.fixed_value`)."""
         schedule = self.config.lr if name == "lr" else self.config.momentum
-        if callable(schedule):
-            value = float(schedule(self.steps))
-            for group in self.param_groups:
-                group[name] = value
-        value = float(self.param_groups[0][name])
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} at step {self.steps} is {value}, not a number >= 0")
-        return value
+        return fixed_value(name, schedule, self.param_groups, self.steps)
 
     def _sgd_update(self, params: list[torch.Tensor]) -> None:
         """``torch.optim.SGD`` (momentum, weight decay after preconditioning), exactly."""
@@ -421,33 +418,29 @@ class KFAC(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state plus the curvature's, the damping and the sampler."""
         state = super().state_dict()
-        state["kaisa"] = {
-            "preconditioner": {"steps": self.steps, **self._schedules.state_dict(),
-                               "layers": self.curvature.state_dict()},
-            "damping": self.damping,
-            "steps": self.steps,
-            "generator": self._generator.get_state(),
-        }
-        if self.first_order is not None:
-            state["kaisa"]["first_order"] = self.first_order.state_dict()
+        state["kaisa"] = optimizer_state.saved(
+            steps=self.steps, damping=self.damping, schedules=self._schedules,
+            curvature=self.curvature, generator=self._generator, first_order=self.first_order,
+        )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` output (bit-exact resume)."""
-        extra = dict(state_dict)["kaisa"]
-        saved = extra["preconditioner"]
-        layers = saved.get("layers")
-        if layers is not None:
-            self.curvature.check_state_dict(layers)
+        """Restores :meth:`state_dict` output (bit-exact resume).
+
+        Everything is checked first (:func:`kaisa.optimizer_state.checked`): a malformed
+        or mismatched state raises ``ValueError`` and leaves the optimizer as it was.
+        """
+        saved = optimizer_state.checked(state_dict, schedules=self._schedules,
+                                        curvature=self.curvature, param_groups=self.param_groups,
+                                        first_order=self.first_order)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
-        self.damping = float(extra["damping"])
-        self.steps = int(extra["steps"])
-        self._schedules.load_state_dict(saved)
-        if layers is not None:
-            self.curvature.load_state_dict(layers, damping=self.damping)
-        self._generator.set_state(extra["generator"])
-        if self.first_order is not None and "first_order" in extra:
-            self.first_order.load_state_dict(extra["first_order"])
+        self.damping, self.steps = saved.damping, saved.steps
+        self._schedules.load_state_dict(saved.schedules)
+        if saved.layers is not None:
+            self.curvature.load_state_dict(saved.layers, damping=self.damping)
+        self._generator.set_state(saved.generator)
+        if self.first_order is not None and saved.first_order is not None:
+            self.first_order.load_state_dict(saved.first_order)
         self._arm()
 
 

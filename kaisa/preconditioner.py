@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -22,7 +23,7 @@ from kaisa.config import HYPERPARAMETERS, KFACConfig
 from kaisa.curvature import KFACCurvature
 from kaisa.distributed import Communicator, FactorSize, MemoryEstimate, Placement
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
-from kaisa.hyperparams import Schedule, Schedules
+from kaisa.hyperparams import Schedule, Schedules, check_count
 
 __all__ = ["KFACPreconditioner"]
 
@@ -305,14 +306,17 @@ class KFACPreconditioner:
                 resumed run continues bit for bit).
 
         Raises:
-            ValueError: if the state is malformed or names other layers.
+            ValueError: if the state is malformed or names other layers (a bad step count,
+                hyperparameter, factor shape or a non-finite factor); nothing is loaded.
         """
-        if "steps" not in state_dict:
+        if not isinstance(state_dict, Mapping) or "steps" not in state_dict:
             raise ValueError("state_dict has no 'steps' entry; not a kaisa state dict")
+        steps = check_count("steps", state_dict["steps"])  # everything checked, then loaded
+        self._schedules.check_state_dict(state_dict)
         layers = state_dict.get("layers")
         if layers is not None:
             self._curvature.check_state_dict(layers)
-        self._steps = int(state_dict["steps"])
+        self._steps = steps
         self._schedules.load_state_dict(state_dict)
         self._arm()
         if layers is not None:

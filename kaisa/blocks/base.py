@@ -26,7 +26,7 @@ the batch factors are computed from its module's inputs and output gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -291,8 +291,49 @@ class CurvatureBlock:
         state.update(self.decomposition)
         return state
 
+    def check_state_dict(self, state: object) -> None:
+        """Raises ``ValueError`` unless ``state`` is a :meth:`state_dict` of this block.
+
+        Every tensor must have this block's shape and be finite (a NaN running factor
+        would never be replaced); the decomposition entries must be the method's.
+        """
+        where = f"state_dict layer {self.name!r}"
+        if not isinstance(state, Mapping):
+            raise ValueError(f"{where} is a {type(state).__name__}, not a dict of tensors")
+        a_dim, g_dim = self.dims
+        shapes: dict[str, tuple[int, ...]] = {
+            "A": self.factor_shape(Side.A), "G": self.factor_shape(Side.G)}
+        if self.method is not None:
+            shapes.update(self.method.state_shapes(self.groups, a_dim, g_dim))
+        unknown = sorted(str(k) for k in state if k not in shapes and k not in _FACTOR_KEYS)
+        if unknown:
+            raise ValueError(f"{where} has unexpected entries {unknown} (expected some of "
+                             f"{sorted(shapes)}; saved with another compute_method?)")
+        for key in ("skipped_a", "skipped_g"):
+            count = state.get(key)
+            if count is not None and not (
+                isinstance(count, torch.Tensor) and count.numel() == 1
+                and not count.is_floating_point() and int(count) >= 0
+            ):
+                raise ValueError(f"{where}: {key} must be a count >= 0, got {count!r}")
+        for key, shape in shapes.items():
+            t = state.get(key)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"{where}: {key} must be a floating-point tensor, got "
+                                 f"{type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{where}: {key} has shape {tuple(t.shape)}, this layer's is "
+                                 f"{shape} (a checkpoint of another model?)")
+            if not bool(all_finite(t)):
+                raise ValueError(f"{where}: {key} is not finite")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output, moving tensors to the module's device."""
+        """Restore :meth:`state_dict` output, moving tensors to the module's device.
+
+        Check it with :meth:`check_state_dict` first.
+        """
         device = self.weight.device
 
         def get(key: str) -> torch.Tensor | None:

@@ -234,6 +234,10 @@ class DistributedEngine:
         self._pending_factors.clear()
         return averaged
 
+    def drop_pending(self) -> None:
+        """Forgets the factor averages started in an abandoned step (no step follows)."""
+        self._pending_factors.clear()
+
     # ------------------------------------------------------------------ decompositions
     def update_decompositions(self, damping: float) -> None:
         """Decomposes this rank's assigned factors and broadcasts them to grad workers.

@@ -72,6 +72,10 @@ class SecondOrderMethod(abc.ABC):
         """Shapes of the payload tensors of a ``(blocks, n, n)`` factor."""
 
     @abc.abstractmethod
+    def state_shapes(self, blocks: int, a_dim: int, g_dim: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each :attr:`state_keys` entry for factors of these sizes."""
+
+    @abc.abstractmethod
     def install(
         self, state: State, a: Payload | None, g: Payload | None, *, damping: float
     ) -> None:

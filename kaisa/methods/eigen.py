@@ -48,6 +48,12 @@ class EigenMethod(SecondOrderMethod):
         """``[(blocks, n, n), (blocks, n)]``."""
         return [(blocks, n, n), (blocks, n)]
 
+    def state_shapes(self, blocks: int, a_dim: int, g_dim: int) -> dict[str, tuple[int, ...]]:
+        """``Q`` and ``d`` per factor and the ``(blocks, g_dim, a_dim)`` outer product."""
+        return {"qa": (blocks, a_dim, a_dim), "da": (blocks, a_dim),
+                "qg": (blocks, g_dim, g_dim), "dg": (blocks, g_dim),
+                "dgda": (blocks, g_dim, a_dim)}
+
     def install(
         self, state: State, a: Payload | None, g: Payload | None, *, damping: float
     ) -> None:

@@ -44,6 +44,10 @@ class InverseMethod(SecondOrderMethod):
         """``[(blocks, n, n)]``."""
         return [(blocks, n, n)]
 
+    def state_shapes(self, blocks: int, a_dim: int, g_dim: int) -> dict[str, tuple[int, ...]]:
+        """One inverse per factor."""
+        return {"a_inv": (blocks, a_dim, a_dim), "g_inv": (blocks, g_dim, g_dim)}
+
     def install(
         self, state: State, a: Payload | None, g: Payload | None, *, damping: float
     ) -> None:

@@ -1,0 +1,127 @@
+"""The checkpoint of :class:`kaisa.KFAC`: what it saves beside torch's optimizer state.
+
+``state_dict()['kaisa']`` holds the step counter, the damping, the Monte-Carlo sampler's
+state and the curvature's (``'preconditioner'``: the step, the schedules' numbers and
+the per-block ``'layers'``). :func:`checked` validates all of it, and the momentum
+buffers of torch's part, before anything is loaded: a failed load changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kaisa.curvature import KFACCurvature
+from kaisa.finite import all_finite
+from kaisa.hyperparams import Schedules, check_count
+
+__all__ = ["Checked", "checked", "saved"]
+
+#: Per-parameter optimizer state that must have the parameter's shape.
+_PARAMETER_STATE = ("velocity", "momentum_buffer")
+
+
+def saved(
+    *, steps: int, damping: float, schedules: Schedules, curvature: KFACCurvature,
+    generator: torch.Generator, first_order: torch.optim.Optimizer | None,
+) -> dict[str, Any]:
+    """The ``'kaisa'`` entry of :meth:`kaisa.KFAC.state_dict`."""
+    state = {
+        "preconditioner": {"steps": steps, **schedules.state_dict(),
+                           "layers": curvature.state_dict()},
+        "damping": damping,
+        "steps": steps,
+        "generator": generator.get_state(),
+    }
+    if first_order is not None:
+        state["first_order"] = first_order.state_dict()
+    return state
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The validated ``'kaisa'`` entry of a state dict, ready to load."""
+
+    steps: int
+    damping: float
+    schedules: Mapping[str, Any]
+    layers: Mapping[str, Any] | None
+    generator: torch.Tensor
+    first_order: dict[str, Any] | None
+
+
+def checked(
+    state_dict: object, *, schedules: Schedules, curvature: KFACCurvature,
+    param_groups: list[dict[str, Any]], first_order: torch.optim.Optimizer | None,
+) -> Checked:
+    """Validates a :meth:`kaisa.KFAC.state_dict` for this optimizer.
+
+    Args:
+        state_dict: The saved state.
+        schedules: The optimizer's schedules (they check their saved values).
+        curvature: Its curvature core (it checks the per-block state).
+        param_groups: Its parameter groups (momentum buffers must fit them).
+        first_order: Its first-order optimizer (a copy loads the saved state first).
+
+    Returns:
+        The ``'kaisa'`` entry's parts.
+
+    Raises:
+        ValueError: Naming what is malformed or does not fit.
+    """
+    extra = state_dict.get("kaisa") if isinstance(state_dict, Mapping) else None
+    if not isinstance(extra, Mapping) or not isinstance(extra.get("preconditioner"), Mapping):
+        raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.KFAC state dict")
+    assert isinstance(state_dict, Mapping)
+    steps = check_count("steps", extra.get("steps"))
+    damping = extra.get("damping")
+    if isinstance(damping, bool) or not isinstance(damping, int | float) or not (
+        math.isfinite(damping) and damping > 0
+    ):
+        raise ValueError(f"state_dict damping must be a finite number > 0, got {damping!r}")
+    preconditioner = extra["preconditioner"]
+    schedules.check_state_dict(preconditioner)
+    layers = preconditioner.get("layers")
+    if layers is not None:
+        curvature.check_state_dict(layers)
+    generator = extra.get("generator")
+    try:
+        if not isinstance(generator, torch.Tensor):
+            raise TypeError(f"got {type(generator).__name__}")
+        torch.Generator().set_state(generator)
+    except (TypeError, RuntimeError, ValueError) as err:
+        raise ValueError(f"state_dict generator is not a generator state ({err})") from None
+    _check_parameter_state(state_dict, param_groups)
+    rule = extra.get("first_order")
+    if first_order is not None and rule is not None:
+        try:
+            copy.deepcopy(first_order).load_state_dict(rule)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"state_dict first_order does not fit ({err})") from None
+    return Checked(steps, float(damping), preconditioner, layers, generator, rule)
+
+
+def _check_parameter_state(
+    state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]]
+) -> None:
+    """Momentum buffers must have their parameter's shape and be finite."""
+    state, groups = state_dict.get("state"), state_dict.get("param_groups")
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        raise ValueError("state_dict has no optimizer 'state' and 'param_groups'")
+    for group, saved_group in zip(param_groups, groups, strict=False):
+        for p, index in zip(group["params"], saved_group.get("params", ()), strict=False):
+            for key in _PARAMETER_STATE:
+                t = state.get(index, {}).get(key)
+                if t is None:
+                    continue
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else t
+                    raise ValueError(f"state_dict {key} of parameter {index} is {shape!r}, "
+                                     f"the parameter's shape is {tuple(p.shape)}")
+                if not bool(all_finite(t)):
+                    raise ValueError(f"state_dict {key} of parameter {index} is not finite")
