@@ -12,7 +12,7 @@ from __future__ import annotations
 from kaisa import ops
 from kaisa.blocks import KFACLayer
 from kaisa.config import KFACConfig
-from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
+from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 from kaisa.optimizer import KFAC, Curvature
 from kaisa.preconditioner import KFACPreconditioner
 from kaisa.scheduler import LambdaParamScheduler
@@ -23,6 +23,7 @@ __all__ = [
     "ComputeMethod",
     "Curvature",
     "DistributedStrategy",
+    "KFACApprox",
     "KFACConfig",
     "KFACLayer",
     "KFACPreconditioner",

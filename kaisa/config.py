@@ -23,6 +23,7 @@ from kaisa.enums import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    KFACApprox,
     parse_enum,
     parse_grad_worker_fraction,
 )
@@ -78,6 +79,8 @@ class KFACConfig:
             (a string or a list; stored as a tuple).
         update_factors_in_hook: Whether factors are computed in the hooks (else in
             :meth:`~kaisa.KFACPreconditioner.step`).
+        kfac_approx: Linear blocks on sequences: ``'expand'`` (every position a row, the
+            default) or ``'reduce'`` (one row per example; Eschenhagen et al., 2023).
         loglevel: Logging level of the informational messages.
         collective_timeout: Seconds a K-FAC collective may wait for its peers before it
             fails with an error naming the collective, the ranks and the timeout; ``None``
@@ -104,6 +107,7 @@ class KFACConfig:
     inv_dtype: torch.dtype = torch.float32
     skip_layers: tuple[str, ...] = ()
     update_factors_in_hook: bool = True
+    kfac_approx: KFACApprox = KFACApprox.EXPAND
     loglevel: int = logging.DEBUG
     collective_timeout: float | None = None
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
@@ -129,6 +133,7 @@ class KFACConfig:
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         set_(self, "compute_method",
              parse_enum(ComputeMethod, self.compute_method, "compute_method"))
+        set_(self, "kfac_approx", parse_enum(KFACApprox, self.kfac_approx, "kfac_approx"))
         set_(self, "assignment_strategy",
              parse_enum(AssignmentStrategy, self.assignment_strategy, "assignment_strategy"))
         fraction = parse_grad_worker_fraction(self.grad_worker_fraction)

@@ -70,7 +70,8 @@ class KFACCurvature:
     def __init__(self, model: nn.Module, config: KFACConfig, *, stacklevel: int = 2) -> None:
         self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
         self._warned_silent: set[str] = set()
-        blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype)
+        blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype,
+                                 kfac_approx=config.kfac_approx)
         if not blocks:
             raise ValueError(
                 "model has no supported layer to precondition (nn.Linear, nn.Conv2d with "

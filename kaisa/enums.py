@@ -15,6 +15,7 @@ __all__ = [
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "KFACApprox",
     "LossKind",
     "Reduction",
     "Side",
@@ -31,6 +32,17 @@ class ComputeMethod(enum.Enum):
     #: Beyond the reference: damped inverses with factored Tikhonov damping, ``pi``-adjusted
     #: (Martens & Grosse 2015, section 6.3; kfac-jax's default for dense layers).
     PI_INVERSE = "pi_inverse"
+
+
+class KFACApprox(enum.Enum):
+    """How a Linear block on sequences builds its factors (Eschenhagen et al., 2023).
+
+    ``EXPAND``: every position is a row (``M = N * R``); ``REDUCE``: one row per example,
+    the inputs averaged and the output gradients summed over the shared dimensions.
+    """
+
+    EXPAND = "expand"
+    REDUCE = "reduce"
 
 
 class DistributedStrategy(enum.Enum):

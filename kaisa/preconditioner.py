@@ -22,7 +22,7 @@ from kaisa.clipping import write_preconditioned
 from kaisa.config import HYPERPARAMETERS, KFACConfig
 from kaisa.curvature import KFACCurvature
 from kaisa.distributed import Communicator, FactorSize, MemoryEstimate, Placement
-from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
+from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 from kaisa.hyperparams import Schedule, Schedules, check_count
 
 __all__ = ["KFACPreconditioner"]
@@ -76,6 +76,7 @@ class KFACPreconditioner:
         inv_dtype: torch.dtype = torch.float32,
         skip_layers: str | list[str] | None = None,
         update_factors_in_hook: bool = True,
+        kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
         loglevel: int = logging.DEBUG,
         collective_timeout: float | None = None,
     ) -> None:

@@ -22,6 +22,7 @@ from kaisa.blocks.base import (
 )
 from kaisa.blocks.conv2d import Conv2dBlock
 from kaisa.blocks.linear import LinearBlock
+from kaisa.enums import KFACApprox
 
 __all__ = [
     "BLOCK_KINDS",
@@ -44,6 +45,7 @@ def register_blocks(
     *,
     skip: Sequence[re.Pattern[str]] = (),
     factor_dtype: torch.dtype | None = None,
+    kfac_approx: KFACApprox = KFACApprox.EXPAND,
 ) -> dict[str, CurvatureBlock]:
     """Wraps every supported, trainable module of ``model`` not matched by ``skip``.
 
@@ -51,6 +53,7 @@ def register_blocks(
         model: The model.
         skip: Patterns matched with ``re.search`` against module names and class names.
         factor_dtype: Factor dtype of every block (``None``: the activations', >= fp32).
+        kfac_approx: Expand or reduce over the shared dimensions of sequence inputs.
 
     Returns:
         ``name -> block`` in model order. Unsupported variants of a known module type
@@ -73,5 +76,6 @@ def register_blocks(
                 f"kaisa: not registering {name!r}: {reason}", RuntimeWarning, stacklevel=3
             )
             continue
-        blocks[name] = kind(name=name, module=module, factor_dtype=factor_dtype)
+        blocks[name] = kind(name=name, module=module, factor_dtype=factor_dtype,
+                            kfac_approx=kfac_approx)
     return blocks

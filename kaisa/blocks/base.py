@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from kaisa.dtypes import working_dtype
-from kaisa.enums import Side
+from kaisa.enums import KFACApprox, Side
 from kaisa.finite import all_finite
 
 if TYPE_CHECKING:
@@ -126,6 +126,7 @@ class CurvatureBlock:
         groups: Number of independent Kronecker blocks.
         has_bias: Whether the gradient matrix has a bias column.
         factor_dtype: Dtype of the factors, ``None`` to follow the activations (>= fp32).
+        kfac_approx: Expand or reduce over shared dimensions (kinds that have them).
         stats: The statistics recorded in the current step.
         factors: The running factors.
         decomposition: The second-order method's state (see :mod:`kaisa.methods`).
@@ -138,10 +139,18 @@ class CurvatureBlock:
     #: The kind's name in :meth:`kaisa.curvature.KFACCurvature.coverage`.
     kind: ClassVar[str] = "block"
 
-    def __init__(self, *, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        module: nn.Module,
+        factor_dtype: torch.dtype | None,
+        kfac_approx: KFACApprox = KFACApprox.EXPAND,
+    ) -> None:
         self.name = name
         self.module = module
         self.factor_dtype = factor_dtype
+        self.kfac_approx = kfac_approx
         self.groups = 1
         self.has_bias = getattr(module, "bias", None) is not None
         self.stats = BatchStatistics()

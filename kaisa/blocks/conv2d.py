@@ -7,6 +7,7 @@ from torch import nn
 
 from kaisa import factors
 from kaisa.blocks.base import CurvatureBlock
+from kaisa.enums import KFACApprox
 
 __all__ = ["Conv2dBlock"]
 
@@ -17,8 +18,16 @@ class Conv2dBlock(CurvatureBlock):
     module_type = nn.Conv2d
     kind = "conv2d"
 
-    def __init__(self, *, name: str, module: nn.Module, factor_dtype: torch.dtype | None) -> None:
-        super().__init__(name=name, module=module, factor_dtype=factor_dtype)
+    def __init__(
+        self,
+        *,
+        name: str,
+        module: nn.Module,
+        factor_dtype: torch.dtype | None,
+        kfac_approx: KFACApprox = KFACApprox.EXPAND,
+    ) -> None:
+        super().__init__(name=name, module=module, factor_dtype=factor_dtype,
+                         kfac_approx=kfac_approx)
         assert isinstance(module, nn.Conv2d)
         self.geometry = factors.ConvGeometry.of(module)
         self.groups = self.geometry.groups

@@ -60,6 +60,7 @@ def _curvature_arguments(options: argparse.Namespace) -> dict[str, Any]:
         "factor_dtype": DTYPES[options.kfac_factor_dtype],
         "inv_dtype": DTYPES[options.kfac_inv_dtype] or torch.float32,
         "skip_layers": skip,
+        "kfac_approx": options.kfac_approx,
         "loglevel": getattr(logging, options.kfac_loglevel),
         "collective_timeout": options.kfac_collective_timeout,
     }

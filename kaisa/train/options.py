@@ -226,6 +226,13 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         help="optimizer kfac: Levenberg-Marquardt damping (default: on)",
     )
     group.add_argument(
+        "--kfac-approx",
+        choices=("expand", "reduce"),
+        default="expand",
+        help="Linear layers on sequences: every position a row (expand) or one row per "
+        "example (reduce: inputs averaged, output gradients summed) (default: expand)",
+    )
+    group.add_argument(
         "--kfac-update-factors-in-hook",
         action=argparse.BooleanOptionalAction,
         default=True,
