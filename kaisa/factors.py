@@ -1,4 +1,4 @@
-"""Per-batch Kronecker factors of Linear and Conv2d layers (the conventions' math).
+"""Per-batch Kronecker factors of Linear and Conv1d/Conv2d layers (the conventions' math).
 
 Every function returns a batch of factors shaped ``(groups, n, n)``: Linear layers and
 ungrouped convolutions have one group. The heavy lifting goes through :mod:`kaisa.ops`
@@ -45,11 +45,27 @@ class ConvGeometry:
     pad: tuple[int, int, int, int]
 
     @classmethod
-    def of(cls, module: nn.Conv2d) -> ConvGeometry:
-        """Read the geometry of ``module`` (``padding`` ints, tuples, 'same' or 'valid')."""
-        kh, kw = _pair(module.kernel_size)
-        dh, dw = _pair(module.dilation)
-        padding = module.padding
+    def of(cls, module: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
+        """Read the geometry of ``module`` (``padding`` ints, tuples, 'same' or 'valid').
+
+        A ``Conv1d`` is the ``Conv2d`` of height 1 (kernel ``(1, k)``, no vertical
+        padding) on inputs with a unit height dimension.
+        """
+        if isinstance(module, nn.Conv1d):
+            return cls._of(module.kernel_size, module.stride, module.dilation,
+                           module.padding, module.groups, one_d=True)
+        return cls._of(module.kernel_size, module.stride, module.dilation, module.padding,
+                       module.groups, one_d=False)
+
+    @classmethod
+    def _of(cls, kernel: object, stride: object, dilation: object, padding: object,
+            groups: int, *, one_d: bool) -> ConvGeometry:
+        if one_d:  # height 1: the same numbers as (1, k) with no vertical padding
+            kernel, stride, dilation = ((1, _one(v)) for v in (kernel, stride, dilation))
+            if not isinstance(padding, str):
+                padding = (0, _one(padding))
+        kh, kw = _pair(kernel)
+        dh, dw = _pair(dilation)
         if isinstance(padding, str):
             if padding == "valid":
                 pad = (0, 0, 0, 0)
@@ -59,7 +75,16 @@ class ConvGeometry:
         else:
             ph, pw = _pair(padding)
             pad = (pw, pw, ph, ph)
-        return cls((kh, kw), _pair(module.stride), (dh, dw), int(module.groups), pad)
+        return cls((kh, kw), _pair(stride), (dh, dw), int(groups), pad)
+
+
+def _one(value: object) -> int:
+    """The single entry of a ``Conv1d`` size (an int or a 1-tuple)."""
+    if isinstance(value, (tuple, list)):
+        assert len(value) == 1
+        return int(value[0])
+    assert isinstance(value, int)
+    return value
 
 
 def _pair(value: object) -> tuple[int, int]:

@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+import kaisa
 from kaisa.blocks import (
     BLOCK_KINDS,
     BatchStatistics,
+    Conv1dBlock,
     Conv2dBlock,
     LinearBlock,
     RunningFactors,
@@ -30,7 +32,7 @@ class _Net(nn.Module):
 
 
 def test_registry_picks_kinds_skips_frozen_unsupported_and_patterns() -> None:
-    assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock]
+    assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock, Conv1dBlock]
     with pytest.warns(RuntimeWarning, match=r"'circ'.*padding_mode='circular'"):
         layers = register_blocks(_Net())
     assert {n: type(la) for n, la in layers.items()} == {"conv": Conv2dBlock, "head": LinearBlock}
@@ -84,3 +86,40 @@ def test_layer_state_dict_round_trip_and_gradient_matrix() -> None:
     assert torch.equal(other.a_inv, layer.decomposition["a_inv"]) and other.qa is None
     assert other.a_factor is not None and other.a_factor.shape == (2, 19, 19)  # grouped
     assert other.memory_usage()["decompositions"] == 2 * 19 * 19 * 4
+
+
+_CONV1D = [(p, 1, True, 1, 1) for p in (0, 2, "same", "valid")] + [
+    (p, 1, True, 1, 2) for p in (0, 2, "same", "valid")
+] + [(p, 2, False, 2, 1) for p in (0, 2, "valid")]  # torch: no padding='same' with stride 2
+
+
+@pytest.mark.parametrize(("padding", "groups", "bias", "stride", "dilation"), _CONV1D)
+def test_conv1d_block_is_the_conv2d_block_of_height_one(
+    padding: int | str, groups: int, bias: bool, stride: int, dilation: int
+) -> None:
+    """Factors and preconditioned gradients of a Conv1d equal its height-1 Conv2d's."""
+    torch.manual_seed(0)
+    conv1 = nn.Conv1d(4, 6, 3, stride=stride, padding=padding, dilation=dilation,
+                      groups=groups, bias=bias).double()
+    pad2: int | str | tuple[int, int] = padding if isinstance(padding, str) else (0, padding)
+    conv2 = nn.Conv2d(4, 6, (1, 3), stride=(1, stride), padding=pad2,
+                      dilation=(1, dilation), groups=groups, bias=bias).double()
+    with torch.no_grad():
+        conv2.weight.copy_(conv1.weight.unsqueeze(2))
+        if bias:
+            conv2.bias.copy_(conv1.bias)
+    pre1 = kaisa.KFACPreconditioner(conv1, inv_dtype=torch.float64)
+    pre2 = kaisa.KFACPreconditioner(conv2, inv_dtype=torch.float64)
+    assert isinstance(pre1.layers[""], Conv1dBlock) and pre1.coverage()["weight"] == "conv1d"
+    x = torch.randn(3, 4, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    conv1(x).square().sum().backward()
+    conv2(x.unsqueeze(2)).square().sum().backward()
+    pre1.step()
+    pre2.step()
+    a1, a2 = pre1.layers[""], pre2.layers[""]
+    assert a1.a is not None and a2.a is not None and a1.g is not None and a2.g is not None
+    torch.testing.assert_close(a1.a, a2.a, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a1.g, a2.g, rtol=1e-12, atol=1e-12)
+    assert conv1.weight.grad is not None and conv2.weight.grad is not None
+    torch.testing.assert_close(conv1.weight.grad, conv2.weight.grad.squeeze(2),
+                               rtol=1e-10, atol=1e-12)

@@ -20,13 +20,14 @@ from kaisa.blocks.base import (
     Preconditioned,
     RunningFactors,
 )
-from kaisa.blocks.conv2d import Conv2dBlock
+from kaisa.blocks.conv2d import Conv1dBlock, Conv2dBlock
 from kaisa.blocks.linear import LinearBlock
 from kaisa.enums import KFACApprox
 
 __all__ = [
     "BLOCK_KINDS",
     "BatchStatistics",
+    "Conv1dBlock",
     "Conv2dBlock",
     "CurvatureBlock",
     "KFACLayer",
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 #: Block kinds, tried in order with ``isinstance``.
-BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (LinearBlock, Conv2dBlock)
+BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (LinearBlock, Conv2dBlock, Conv1dBlock)
 
 
 def register_blocks(

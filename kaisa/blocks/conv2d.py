@@ -1,6 +1,12 @@
-"""``nn.Conv2d`` layers with zeros padding; groups become independent Kronecker blocks."""
+"""``nn.Conv2d`` and ``nn.Conv1d`` layers with zeros padding; groups are independent blocks.
+
+A ``Conv1d`` is the ``Conv2d`` of height 1: its input ``(N, C, L)`` and output gradient
+``(N, C', L')`` get a unit height dimension and the same factors follow.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -9,13 +15,13 @@ from kaisa import factors
 from kaisa.blocks.base import CurvatureBlock
 from kaisa.enums import KFACApprox
 
-__all__ = ["Conv2dBlock"]
+__all__ = ["Conv1dBlock", "Conv2dBlock"]
 
 
 class Conv2dBlock(CurvatureBlock):
     """An ``nn.Conv2d``: ``A = (Pb/S)^T (Pb/S) / (N S)``, ``G = (D/S)^T (D/S) / (N S)``."""
 
-    module_type = nn.Conv2d
+    module_type: ClassVar[type[nn.Module]] = nn.Conv2d
     kind = "conv2d"
 
     def __init__(
@@ -28,7 +34,7 @@ class Conv2dBlock(CurvatureBlock):
     ) -> None:
         super().__init__(name=name, module=module, factor_dtype=factor_dtype,
                          kfac_approx=kfac_approx)
-        assert isinstance(module, nn.Conv2d)
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
         self.geometry = factors.ConvGeometry.of(module)
         self.groups = self.geometry.groups
 
@@ -54,3 +60,20 @@ class Conv2dBlock(CurvatureBlock):
             grad_output, groups=self.groups, dtype=self.dtype_for(grad_output),
             loss_scale=loss_scale,
         )
+
+
+class Conv1dBlock(Conv2dBlock):
+    """An ``nn.Conv1d``: the ``Conv2d`` factors of its height-1 form."""
+
+    module_type: ClassVar[type[nn.Module]] = nn.Conv1d
+    kind = "conv1d"
+
+    def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``Conv2d`` A factor of ``x`` as ``(N, C, 1, L)``."""
+        return super().compute_a_batch(x.unsqueeze(-2))
+
+    def compute_g_batch(
+        self, grad_output: torch.Tensor, loss_scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """The ``Conv2d`` G factor of the output gradient as ``(N, C', 1, L')``."""
+        return super().compute_g_batch(grad_output.unsqueeze(-2), loss_scale)
