@@ -29,7 +29,10 @@ from kaisa.enums import (
 )
 from kaisa.hyperparams import Schedule, check_bounded, check_float, check_int
 
-__all__ = ["HYPERPARAMETERS", "DistributedConfig", "KFACConfig"]
+__all__ = ["HYPERPARAMETERS", "REFERENCE_KINDS", "DistributedConfig", "KFACConfig"]
+
+#: kfac-pytorch's layer kinds: ``KFACPreconditioner``'s default.
+REFERENCE_KINDS = ("linear", "conv2d")
 
 #: Hyperparameters that may be numbers or callables of the step.
 HYPERPARAMETERS = (
@@ -81,6 +84,10 @@ class KFACConfig:
             :meth:`~kaisa.KFACPreconditioner.step`).
         kfac_approx: Linear blocks on sequences: ``'expand'`` (every position a row, the
             default) or ``'reduce'`` (one row per example; Eschenhagen et al., 2023).
+        layer_kinds: The block kinds to register: kfac-pytorch's ``('linear', 'conv2d')``
+            by default (the reference's math), ``'all'`` for every kind (adds
+            ``'conv1d'`` and ``'scale_shift'``: LayerNorm, RMSNorm, BatchNorm affine), or
+            a tuple of kind names; stored as a tuple.
         loglevel: Logging level of the informational messages.
         collective_timeout: Seconds a K-FAC collective may wait for its peers before it
             fails with an error naming the collective, the ranks and the timeout; ``None``
@@ -108,6 +115,7 @@ class KFACConfig:
     skip_layers: tuple[str, ...] = ()
     update_factors_in_hook: bool = True
     kfac_approx: KFACApprox = KFACApprox.EXPAND
+    layer_kinds: str | tuple[str, ...] = REFERENCE_KINDS
     loglevel: int = logging.DEBUG
     collective_timeout: float | None = None
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
@@ -134,6 +142,7 @@ class KFACConfig:
         set_(self, "compute_method",
              parse_enum(ComputeMethod, self.compute_method, "compute_method"))
         set_(self, "kfac_approx", parse_enum(KFACApprox, self.kfac_approx, "kfac_approx"))
+        set_(self, "layer_kinds", _parse_layer_kinds(self.layer_kinds))
         set_(self, "assignment_strategy",
              parse_enum(AssignmentStrategy, self.assignment_strategy, "assignment_strategy"))
         fraction = parse_grad_worker_fraction(self.grad_worker_fraction)
@@ -220,6 +229,23 @@ class DistributedConfig:
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
     loglevel: int = logging.DEBUG
+
+
+def _parse_layer_kinds(value: object) -> tuple[str, ...]:
+    from kaisa.blocks import BLOCK_KINDS  # the registry names the kinds
+
+    known = tuple(kind.kind for kind in BLOCK_KINDS)
+    if isinstance(value, str) and value.strip().lower() == "all":
+        return known
+    if isinstance(value, str):
+        value = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not isinstance(value, (list, tuple)) or not value or not all(
+        isinstance(v, str) and v in known for v in value
+    ):
+        raise ValueError(
+            f"layer_kinds must be 'all' or a non-empty tuple of {known}, got {value!r}"
+        )
+    return tuple(value)
 
 
 def _parse_skip_layers(skip_layers: object) -> tuple[str, ...]:

@@ -71,18 +71,20 @@ class KFACCurvature:
         self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
         self._warned_silent: set[str] = set()
         blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype,
-                                 kfac_approx=config.kfac_approx)
+                                 kfac_approx=config.kfac_approx, kinds=config.layer_kinds)
         if not blocks:
             raise ValueError(
-                "model has no supported layer to precondition (nn.Linear, nn.Conv2d with "
-                "trainable weights, not matched by skip_layers)"
+                f"model has no supported layer to precondition (of the kinds {config.layer_kinds}"
+                ", e.g. nn.Linear, nn.Conv2d, with trainable weights, not matched by "
+                "skip_layers)"
             )
         self._blocks = blocks
         self._method = make_method(
             config.compute_method, outer_product=config.compute_eigenvalue_outer_product
         )
         for block in blocks.values():
-            block.method = self._method
+            if not block.diagonal:
+                block.method = self._method
         weight_dtype = next(iter(blocks.values())).weight.dtype
         self._engine = DistributedEngine(
             blocks, config.distributed(weight_dtype), self._method, timings=self._timings
@@ -236,13 +238,19 @@ class KFACCurvature:
             One entry per block with a gradient and a result, in model order.
         """
         with self.timed("preconditioning"):
-            matrices = {}
+            matrices, local = {}, {}
             for name, block in self._blocks.items():
                 own = None if grads is None else [grads.get(p) for p in block.parameters()]
                 matrix = block.gradient_matrix(own)
-                if matrix is not None:
+                if matrix is None:
+                    continue
+                if not block.diagonal:
                     matrices[name] = matrix
-            return self._engine.precondition(matrices, damping)
+                elif (direction := block.precondition_diagonal(matrix, damping)) is not None:
+                    local[name] = Preconditioned(block, matrix, direction)
+            kron = {e.block.name: e for e in self._engine.precondition(matrices, damping)}
+            return [kron.get(name) or local[name] for name in self._blocks
+                    if name in kron or name in local]
 
     def end_step(self) -> None:
         """Ends a step: the recorder's per-step counters restart."""

@@ -128,7 +128,9 @@ class StatisticsRecorder:
         self._handles.clear()
 
     def end_step(self) -> None:
-        """Resets the per-step counters."""
+        """Resets the per-step counters (and the blocks' per-step state)."""
+        for layer in self._layers.values():
+            layer.end_step()
         self._forward_calls.clear()
         self._grad_calls.clear()
         self._micro_batches = 0
@@ -197,18 +199,12 @@ class StatisticsRecorder:
 
     def _record_input(self, layer: CurvatureBlock, x: torch.Tensor) -> None:
         with torch.no_grad(), full_precision(x):
-            if self._in_hook:
-                layer.stats.add_a(layer.compute_a_batch(x))
-            else:
-                layer.stats.saved_inputs.append(x)
+            layer.record_input(x, in_hook=self._in_hook)
 
     def _record_grad(self, layer: CurvatureBlock, d: torch.Tensor) -> None:
         divisor = self.divisor if self.divisor is not None else loss_scale(self._grad_scaler)
         with torch.no_grad(), full_precision(d):
-            if self._in_hook:
-                layer.stats.add_g(layer.compute_g_batch(d, divisor))
-            else:
-                layer.stats.saved_grads.append((d, divisor))
+            layer.record_output_grad(d, divisor, in_hook=self._in_hook)
 
     def _timed(
         self,

@@ -11,6 +11,8 @@ configuration depend on the mode, and are decided here, in one place:
   block), else ``'eigen'`` (then the fixed mode equals ``KFACPreconditioner`` + SGD);
 * ``compute_eigenvalue_outer_product``: off when the damping adapts (a stored
   ``1 / (dG dA^T + damping)`` would keep a stale damping), else kfac-pytorch's default;
+* ``layer_kinds``: every block kind (``KFACPreconditioner`` registers kfac-pytorch's
+  Linear and Conv2d only, for parity);
 * ``grad_scaler``: KFAC's own, so backward passes outside KFAC (without a closure) are
   unscaled by it.
 """
@@ -142,6 +144,7 @@ class KFACOptimizerConfig:
             "kl_clip": None if adaptive else 0.001,
             "compute_method": "pi_inverse" if adaptive else "eigen",
             "compute_eigenvalue_outer_product": not (adaptive and arguments["adaptive_damping"]),
+            "layer_kinds": "all",
             **preconditioner,
             "grad_scaler": arguments["grad_scaler"],
         }

@@ -19,7 +19,7 @@ from torch import nn
 
 from kaisa.blocks import CurvatureBlock
 from kaisa.clipping import write_preconditioned
-from kaisa.config import HYPERPARAMETERS, KFACConfig
+from kaisa.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
 from kaisa.curvature import KFACCurvature
 from kaisa.distributed import Communicator, FactorSize, MemoryEstimate, Placement
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
@@ -77,6 +77,7 @@ class KFACPreconditioner:
         skip_layers: str | list[str] | None = None,
         update_factors_in_hook: bool = True,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        layer_kinds: str | tuple[str, ...] = REFERENCE_KINDS,
         loglevel: int = logging.DEBUG,
         collective_timeout: float | None = None,
     ) -> None:

@@ -16,6 +16,7 @@ from kaisa.blocks import (
     Conv2dBlock,
     LinearBlock,
     RunningFactors,
+    ScaleShiftBlock,
     register_blocks,
 )
 
@@ -32,12 +33,13 @@ class _Net(nn.Module):
 
 
 def test_registry_picks_kinds_skips_frozen_unsupported_and_patterns() -> None:
-    assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock, Conv1dBlock]
+    assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock, Conv1dBlock, ScaleShiftBlock]
     with pytest.warns(RuntimeWarning, match=r"'circ'.*padding_mode='circular'"):
         layers = register_blocks(_Net())
-    assert {n: type(la) for n, la in layers.items()} == {"conv": Conv2dBlock, "head": LinearBlock}
+    assert {n: type(la) for n, la in layers.items()} == {
+        "conv": Conv2dBlock, "head": LinearBlock, "norm": ScaleShiftBlock}
     skipped = register_blocks(_Net(), skip=(re.compile("Conv2d"),))  # class names too
-    assert list(skipped) == ["head"]
+    assert list(skipped) == ["head", "norm"]
     conv = layers["conv"]
     assert conv.dims == (3 * 9 + 1, 4) and conv.groups == 1 and conv.has_bias
 
@@ -108,7 +110,7 @@ def test_conv1d_block_is_the_conv2d_block_of_height_one(
         conv2.weight.copy_(conv1.weight.unsqueeze(2))
         if bias:
             conv2.bias.copy_(conv1.bias)
-    pre1 = kaisa.KFACPreconditioner(conv1, inv_dtype=torch.float64)
+    pre1 = kaisa.KFACPreconditioner(conv1, inv_dtype=torch.float64, layer_kinds="all")
     pre2 = kaisa.KFACPreconditioner(conv2, inv_dtype=torch.float64)
     assert isinstance(pre1.layers[""], Conv1dBlock) and pre1.coverage()["weight"] == "conv1d"
     x = torch.randn(3, 4, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

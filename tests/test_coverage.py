@@ -52,8 +52,10 @@ def test_coverage_names_every_trainable_parameter_once_and_logs_one_line(
     lines = [r.getMessage() for r in caplog.records if "preconditions" in r.getMessage()]
     assert lines == ["kaisa: K-FAC preconditions 3 of 5 trainable parameters (85.7% of the "
                      "elements) in 2 blocks; first-order: norm.weight, norm.bias"]
-    opt = kaisa.KFAC(_Net(), loss="cross_entropy")
+    opt = kaisa.KFAC(_Net(), loss="cross_entropy", layer_kinds=("linear", "conv2d"))
     assert opt.coverage() == want
+    every = kaisa.KFAC(_Net(), loss="cross_entropy")  # KFAC registers every kind
+    assert every.coverage() == want | {"norm.weight": "scale_shift", "norm.bias": "scale_shift"}
 
 
 def test_uncovered_parameters_follow_adamw_on_their_raw_gradients() -> None:
@@ -61,7 +63,7 @@ def test_uncovered_parameters_follow_adamw_on_their_raw_gradients() -> None:
     model = _Net()
     reference = copy.deepcopy(model)
     tokens, targets = _data()
-    opt = kaisa.KFAC(model, loss="cross_entropy")
+    opt = kaisa.KFAC(model, loss="cross_entropy", layer_kinds=("linear", "conv2d"))
     assert isinstance(opt.first_order, torch.optim.AdamW)
     opt.step(lambda: (model(tokens), targets))
     loss = nn.functional.cross_entropy(reference(tokens).reshape(-1, 7), targets.reshape(-1))
@@ -83,7 +85,8 @@ def test_first_order_rule_is_configurable_and_resumes_bit_exactly() -> None:
     def build() -> tuple[nn.Module, kaisa.KFAC]:
         torch.manual_seed(0)
         model = _Net()
-        return model, kaisa.KFAC(model, loss="cross_entropy", first_order=sgd)
+        return model, kaisa.KFAC(model, loss="cross_entropy", first_order=sgd,
+                                 layer_kinds=("linear", "conv2d"))
 
     def run(model: nn.Module, opt: kaisa.KFAC, steps: int) -> None:
         for _ in range(steps):
@@ -108,6 +111,8 @@ def test_first_order_rule_is_configurable_and_resumes_bit_exactly() -> None:
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="first_order must be a callable"):
         kaisa.KFAC(_Net(), loss="cross_entropy", first_order="adamw")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layer_kinds must be"):
+        kaisa.KFACPreconditioner(_Net(), layer_kinds=("linear", "embedding"))
 
 
 def test_fixed_lr_steps_every_parameter_with_sgd() -> None:

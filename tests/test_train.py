@@ -177,6 +177,7 @@ def test_every_preconditioner_argument_has_a_flag() -> None:
         "allreduce_bucket_cap_mb": "--kfac-bucket-cap-mb",
         "compute_eigenvalue_outer_product": "--kfac-eigenvalue-outer-product",
         "kfac_approx": "--kfac-approx",
+        "layer_kinds": "--kfac-layer-kinds",
     }
     not_exposed = {"model", "grad_scaler"}  # the app does not use AMP
     for name in inspect.signature(kaisa.KFACPreconditioner).parameters:

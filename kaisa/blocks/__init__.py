@@ -22,6 +22,7 @@ from kaisa.blocks.base import (
 )
 from kaisa.blocks.conv2d import Conv1dBlock, Conv2dBlock
 from kaisa.blocks.linear import LinearBlock
+from kaisa.blocks.scale_shift import ScaleShiftBlock
 from kaisa.enums import KFACApprox
 
 __all__ = [
@@ -34,11 +35,14 @@ __all__ = [
     "LinearBlock",
     "Preconditioned",
     "RunningFactors",
+    "ScaleShiftBlock",
     "register_blocks",
 ]
 
 #: Block kinds, tried in order with ``isinstance``.
-BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (LinearBlock, Conv2dBlock, Conv1dBlock)
+BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (
+    LinearBlock, Conv2dBlock, Conv1dBlock, ScaleShiftBlock,
+)
 
 
 def register_blocks(
@@ -47,6 +51,7 @@ def register_blocks(
     skip: Sequence[re.Pattern[str]] = (),
     factor_dtype: torch.dtype | None = None,
     kfac_approx: KFACApprox = KFACApprox.EXPAND,
+    kinds: Sequence[str] | None = None,
 ) -> dict[str, CurvatureBlock]:
     """Wraps every supported, trainable module of ``model`` not matched by ``skip``.
 
@@ -55,6 +60,7 @@ def register_blocks(
         skip: Patterns matched with ``re.search`` against module names and class names.
         factor_dtype: Factor dtype of every block (``None``: the activations', >= fp32).
         kfac_approx: Expand or reduce over the shared dimensions of sequence inputs.
+        kinds: The kind names to register (``None``: every kind).
 
     Returns:
         ``name -> block`` in model order. Unsupported variants of a known module type
@@ -63,12 +69,14 @@ def register_blocks(
     blocks: dict[str, CurvatureBlock] = {}
     for name, module in model.named_modules():
         kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
-        if kind is None:
+        if kind is None or (kinds is not None and kind.kind not in kinds):
             continue
         cls_name = type(module).__name__
         if any(r.search(name) or r.search(cls_name) for r in skip):
             continue
         params = [p for p in (getattr(module, "weight", None), getattr(module, "bias", None))]
+        if not isinstance(params[0], torch.Tensor):
+            continue  # no affine parameters (a norm with elementwise_affine=False)
         if not all(p.requires_grad for p in params if isinstance(p, torch.Tensor)):
             continue
         reason = kind.supports(module)

@@ -100,13 +100,15 @@ class RunningFactors:
     g: torch.Tensor | None = None
     skipped_a: torch.Tensor | None = None  # 0-d counts: no host synchronisation
     skipped_g: torch.Tensor | None = None
+    #: Diagonal statistics (scale-and-shift blocks) start from ones, not the identity.
+    diagonal: bool = False
 
     def fold(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, rho: float) -> None:
         """Folds batch factors in; a non-finite batch is skipped (and counted)."""
         if a_batch is not None:
-            self.a, self.skipped_a = _fold(self.a, a_batch, rho, self.skipped_a)
+            self.a, self.skipped_a = _fold(self.a, a_batch, rho, self.skipped_a, self.diagonal)
         if g_batch is not None:
-            self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g)
+            self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g, self.diagonal)
 
     @property
     def skipped(self) -> int:
@@ -135,9 +137,12 @@ class CurvatureBlock:
     """
 
     #: The module type this kind handles (set by each block kind).
-    module_type: ClassVar[type[nn.Module]] = nn.Module
+    module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Module
     #: The kind's name in :meth:`kaisa.curvature.KFACCurvature.coverage`.
     kind: ClassVar[str] = "block"
+    #: Diagonal curvature (no Kronecker factors, no decomposition): preconditioned on
+    #: every rank by :meth:`precondition_diagonal`.
+    diagonal: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -154,9 +159,13 @@ class CurvatureBlock:
         self.groups = 1
         self.has_bias = getattr(module, "bias", None) is not None
         self.stats = BatchStatistics()
-        self.factors = RunningFactors()
+        self.factors = RunningFactors(diagonal=self.diagonal)
         self.decomposition: dict[str, torch.Tensor] = {}
         self.method: SecondOrderMethod | None = None
+        self.setup()
+
+    def setup(self) -> None:
+        """What a kind derives from its module at construction (default: nothing)."""
 
     @classmethod
     def supports(cls, module: nn.Module) -> str | None:
@@ -246,6 +255,29 @@ class CurvatureBlock:
     ) -> torch.Tensor:
         """The per-batch G factor of output gradient ``grad_output``."""
         raise NotImplementedError
+
+    def record_input(self, x: torch.Tensor, *, in_hook: bool) -> None:
+        """What the forward hook records: the batch A factor, or ``x`` for later."""
+        if in_hook:
+            self.stats.add_a(self.compute_a_batch(x))
+        else:
+            self.stats.saved_inputs.append(x)
+
+    def record_output_grad(
+        self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool
+    ) -> None:
+        """What the output-gradient hook records: the batch G factor, or ``d`` for later."""
+        if in_hook:
+            self.stats.add_g(self.compute_g_batch(d, divisor))
+        else:
+            self.stats.saved_grads.append((d, divisor))
+
+    def end_step(self) -> None:
+        """The step is over (kinds that keep per-step state forget it)."""
+
+    def precondition_diagonal(self, grad: torch.Tensor, damping: float) -> torch.Tensor | None:
+        """``grad / (F + damping)`` for a diagonal block (``None`` before statistics)."""
+        raise NotImplementedError(f"{type(self).__name__} has Kronecker factors")
 
     # ------------------------------------------------------------------ gradients
     def gradient_matrix(
@@ -349,7 +381,8 @@ class CurvatureBlock:
             t = state.get(key)
             return None if t is None else t.to(device).clone()
 
-        self.factors = RunningFactors(get("A"), get("G"), get("skipped_a"), get("skipped_g"))
+        self.factors = RunningFactors(get("A"), get("G"), get("skipped_a"), get("skipped_g"),
+                                      diagonal=self.diagonal)
         self.decomposition = {
             key: t.to(device).clone()
             for key, t in state.items()
@@ -404,8 +437,11 @@ def _fold(
     batch: torch.Tensor,
     rho: float,
     skipped: torch.Tensor | None,
+    diagonal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if running is None:
+    if running is None and diagonal:
+        running = torch.ones_like(batch)
+    elif running is None:
         eye = torch.eye(batch.shape[-1], dtype=batch.dtype, device=batch.device)
         running = eye.expand_as(batch).clone()
     if skipped is None:

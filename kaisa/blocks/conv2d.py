@@ -13,7 +13,6 @@ from torch import nn
 
 from kaisa import factors
 from kaisa.blocks.base import CurvatureBlock
-from kaisa.enums import KFACApprox
 
 __all__ = ["Conv1dBlock", "Conv2dBlock"]
 
@@ -21,21 +20,13 @@ __all__ = ["Conv1dBlock", "Conv2dBlock"]
 class Conv2dBlock(CurvatureBlock):
     """An ``nn.Conv2d``: ``A = (Pb/S)^T (Pb/S) / (N S)``, ``G = (D/S)^T (D/S) / (N S)``."""
 
-    module_type: ClassVar[type[nn.Module]] = nn.Conv2d
+    module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Conv2d
     kind = "conv2d"
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        module: nn.Module,
-        factor_dtype: torch.dtype | None,
-        kfac_approx: KFACApprox = KFACApprox.EXPAND,
-    ) -> None:
-        super().__init__(name=name, module=module, factor_dtype=factor_dtype,
-                         kfac_approx=kfac_approx)
-        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
-        self.geometry = factors.ConvGeometry.of(module)
+    def setup(self) -> None:
+        """The convolution's geometry; its groups are independent blocks."""
+        assert isinstance(self.module, (nn.Conv1d, nn.Conv2d))
+        self.geometry = factors.ConvGeometry.of(self.module)
         self.groups = self.geometry.groups
 
     @classmethod
@@ -65,7 +56,7 @@ class Conv2dBlock(CurvatureBlock):
 class Conv1dBlock(Conv2dBlock):
     """An ``nn.Conv1d``: the ``Conv2d`` factors of its height-1 form."""
 
-    module_type: ClassVar[type[nn.Module]] = nn.Conv1d
+    module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Conv1d
     kind = "conv1d"
 
     def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:

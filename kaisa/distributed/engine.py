@@ -93,13 +93,16 @@ class DistributedEngine:
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
         else:
             self._rank, self._world = 0, 1
-        self._layer_dims = {name: layer.dims for name, layer in layers.items()}
+        # Kronecker blocks are placed; diagonal blocks (statistics averaged like factors,
+        # preconditioned on every rank by the core) have no decomposition to place.
+        kron = {name: layer for name, layer in layers.items() if not layer.diagonal}
+        self._layer_dims = {name: layer.dims for name, layer in kron.items()}
         # What the memory model needs besides the grid (placement and sizes use it too).
         self._sizes: dict[str, Any] = {
             "method": method,
             "itemsize": config.factor_dtype.itemsize,
             "inv_itemsize": config.inv_dtype.itemsize,
-            "layer_groups": {name: layer.groups for name, layer in layers.items()},
+            "layer_groups": {name: layer.groups for name, layer in kron.items()},
         }
         self._grid = WorkerGrid(self._world, self._resolve_grad_workers())
         self._placement = place_layers(
@@ -180,8 +183,12 @@ class DistributedEngine:
         return self._comm
 
     def is_grad_worker(self, name: str) -> bool:
-        """Whether this rank keeps the decompositions of layer ``name``."""
-        return self._placement[name].is_grad_worker(self._rank)
+        """Whether this rank keeps the decompositions of layer ``name``.
+
+        Every rank keeps a diagonal block's state (it is not placed).
+        """
+        placed = self._placement.layers.get(name)
+        return placed is None or placed.is_grad_worker(self._rank)
 
     def memory_estimates(self) -> dict[Fraction, MemoryEstimate]:
         """Modelled per-rank K-FAC memory for every valid ``grad_worker_fraction``.
@@ -204,7 +211,7 @@ class DistributedEngine:
         if layer.name in self._pending_factors or not layer.stats.has_factors:
             return
         a_batch, g_batch = layer.stats.take()
-        sym = self._config.symmetry_aware
+        sym = self._config.symmetry_aware and not layer.diagonal
         self._pending_factors[layer.name] = (
             None if a_batch is None else self._comm.allreduce_mean(a_batch, symmetric=sym),
             None if g_batch is None else self._comm.allreduce_mean(g_batch, symmetric=sym),

@@ -61,6 +61,7 @@ def _curvature_arguments(options: argparse.Namespace) -> dict[str, Any]:
         "inv_dtype": DTYPES[options.kfac_inv_dtype] or torch.float32,
         "skip_layers": skip,
         "kfac_approx": options.kfac_approx,
+        **({} if options.kfac_layer_kinds is None else {"layer_kinds": options.kfac_layer_kinds}),
         "loglevel": getattr(logging, options.kfac_loglevel),
         "collective_timeout": options.kfac_collective_timeout,
     }

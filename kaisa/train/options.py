@@ -226,11 +226,14 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         help="optimizer kfac: Levenberg-Marquardt damping (default: on)",
     )
     group.add_argument(
-        "--kfac-approx",
-        choices=("expand", "reduce"),
-        default="expand",
+        "--kfac-approx", choices=("expand", "reduce"), default="expand",
         help="Linear layers on sequences: every position a row (expand) or one row per "
         "example (reduce: inputs averaged, output gradients summed) (default: expand)",
+    )
+    group.add_argument(
+        "--kfac-layer-kinds", default=None, metavar="KINDS",
+        help="block kinds to register: all, or a comma list of linear, conv2d, conv1d, "
+        "scale_shift (default: linear,conv2d for +kfac, all for --optimizer kfac)",
     )
     group.add_argument(
         "--kfac-update-factors-in-hook",

@@ -1,0 +1,127 @@
+"""Scale-and-shift blocks: ``nn.LayerNorm``, ``nn.RMSNorm`` and BatchNorm affine parameters.
+
+kfac-jax's diagonal block (``ScaleAndShiftDiagonal``): with ``xhat`` the normalised input
+and ``D`` the output gradient, both as rows ``(M, E)`` (``M`` every position that shares
+the parameters; for BatchNorm the channels are ``E``),
+``F_scale = mean over rows of (xhat * D)^2`` and ``F_shift = mean over rows of D^2``,
+running-averaged like a factor (starting from ones), and the preconditioned gradient is
+``grad / (F + damping)``. The statistics are a ``(1, P, E)`` tensor (``P`` = 2 with a
+shift, 1 without) kept in the G slot; there is no A factor and no decomposition, so these
+blocks are preconditioned on every rank (:meth:`ScaleShiftBlock.precondition_diagonal`)
+after their statistics are averaged over ranks like any factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kaisa.blocks.base import CurvatureBlock
+from kaisa.enums import Side
+
+__all__ = ["ScaleShiftBlock"]
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class ScaleShiftBlock(CurvatureBlock):
+    """The diagonal curvature block of a normalisation layer's affine parameters."""
+
+    module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = (
+        nn.LayerNorm, nn.RMSNorm, *_BATCH_NORMS,
+    )
+    kind = "scale_shift"
+    diagonal = True
+
+    def setup(self) -> None:
+        """The step's normalised inputs, kept until their output gradients arrive."""
+        self._inputs: list[torch.Tensor] = []
+        self._grads_seen = 0
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """``(P, E)``: scale (and shift) rows of ``E`` elements."""
+        return 1 + int(self.has_bias), self.weight.numel()
+
+    def factor_shape(self, side: Side) -> tuple[int, int, int]:
+        """No A factor; the statistics ``(1, P, E)`` in the G slot."""
+        return (1, 0, 0) if side is Side.A else (1, *self.dims)
+
+    # ------------------------------------------------------------------ statistics
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """``xhat`` as rows ``(M, E)`` in the factor dtype (training-mode statistics)."""
+        module, x = self.module, x.to(self.dtype_for(x))
+        if isinstance(module, _BATCH_NORMS):
+            rows = x.movedim(1, -1).reshape(-1, x.shape[1])
+            mean, var = rows.mean(0), rows.var(0, unbiased=False)
+            return (rows - mean) * torch.rsqrt(var + module.eps)
+        assert isinstance(module, (nn.LayerNorm, nn.RMSNorm))
+        rows = x.reshape(-1, self.weight.numel())
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        if isinstance(module, nn.RMSNorm):
+            return rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
+        mean, var = rows.mean(-1, keepdim=True), rows.var(-1, unbiased=False, keepdim=True)
+        return (rows - mean) * torch.rsqrt(var + eps)
+
+    def _grad_rows(self, d: torch.Tensor) -> torch.Tensor:
+        d = d.to(self.dtype_for(d))
+        if isinstance(self.module, _BATCH_NORMS):
+            return d.movedim(1, -1).reshape(-1, d.shape[1])
+        return d.reshape(-1, self.weight.numel())
+
+    def record_input(self, x: torch.Tensor, *, in_hook: bool) -> None:
+        """Keeps ``xhat`` until the output gradient arrives (whatever ``in_hook``)."""
+        self._inputs.append(self.normalized(x))
+
+    def record_output_grad(
+        self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool
+    ) -> None:
+        """``[mean((xhat D)^2); mean(D^2)]`` with ``D / divisor``.
+
+        Output gradients of a pass arrive in the reverse order of the forward calls;
+        Monte-Carlo passes repeat that order.
+        """
+        count = len(self._inputs)
+        xhat = self._inputs[count - 1 - self._grads_seen % count]
+        self._grads_seen += 1
+        rows = self._grad_rows(d)
+        rows = rows / (divisor.to(rows.dtype) if isinstance(divisor, torch.Tensor) else divisor)
+        parts = [(xhat * rows).square().mean(0)]
+        if self.has_bias:
+            parts.append(rows.square().mean(0))
+        self.stats.add_g(torch.stack(parts).unsqueeze(0))
+
+    def end_step(self) -> None:
+        """Forgets this step's normalised inputs."""
+        self._inputs.clear()
+        self._grads_seen = 0
+
+    def precondition_diagonal(self, grad: torch.Tensor, damping: float) -> torch.Tensor | None:
+        """``grad / (F + damping)``, ``None`` before the first statistics."""
+        f = self.factors.g
+        if f is None:
+            return None
+        return (grad / (f.to(grad.dtype) + damping)).to(grad.dtype)
+
+    # ------------------------------------------------------------------ gradients
+    def gradient_matrix(
+        self, grads: Sequence[torch.Tensor | None] | None = None
+    ) -> torch.Tensor | None:
+        """``[d scale; d shift]`` as ``(1, P, E)``; ``None`` without a scale gradient."""
+        if grads is None:
+            grads = [p.grad for p in self.parameters()]
+        if grads[0] is None:
+            return None
+        rows = [grads[0].reshape(-1)]
+        if self.has_bias:
+            bias = grads[1]
+            rows.append(torch.zeros_like(rows[0]) if bias is None else bias.reshape(-1))
+        return torch.stack(rows).unsqueeze(0)
+
+    def split(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+        """One tensor per parameter (views)."""
+        rows = matrix.reshape(-1, self.weight.numel())
+        return [row.reshape(p.shape) for row, p in zip(rows, self.parameters(), strict=True)]
