@@ -187,6 +187,24 @@ class KFACConfig:
         """The constructor keywords (every field the user sets)."""
         return tuple(f.name for f in fields(cls) if f.init)
 
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must share: each that changes the math or the schedule.
+
+        A schedule given as a callable counts with its value at step 0; the grad scaler
+        with its type; ``loglevel`` and ``collective_timeout`` may differ.
+        """
+        out: dict[str, object] = {}
+        for name in self.keywords():
+            value = getattr(self, name)
+            if name in ("loglevel", "collective_timeout"):
+                continue
+            if name == "grad_scaler":
+                value = None if value is None else type(value).__qualname__
+            elif name in HYPERPARAMETERS and callable(value):
+                value = value(0)
+            out[name] = value
+        return out
+
     def distributed(self, weight_dtype: torch.dtype) -> DistributedConfig:
         """The part the distributed engine needs.
 

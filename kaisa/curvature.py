@@ -41,6 +41,7 @@ from torch import nn
 from kaisa.blocks import CurvatureBlock, Preconditioned, register_blocks
 from kaisa.config import KFACConfig
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
+from kaisa.distributed.agreement import check_same_on_ranks
 from kaisa.hooks import StatisticsRecorder
 from kaisa.methods import make_method
 
@@ -67,11 +68,25 @@ class KFACCurvature:
         ValueError: If the model has no supported block.
     """
 
-    def __init__(self, model: nn.Module, config: KFACConfig, *, stacklevel: int = 2) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: KFACConfig,
+        *,
+        stacklevel: int = 2,
+        settings: Mapping[str, object] | None = None,
+    ) -> None:
         self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
         self._warned_silent: set[str] = set()
         blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype,
                                  kfac_approx=config.kfac_approx, kinds=config.layer_kinds)
+        # Before anything a rank could refuse alone: every rank raises or none does.
+        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        layers = [(name, b.kind, tuple(b.dims)) for name, b in blocks.items()]
+        self.check_same_on_ranks(
+            {**config.settings(), **(settings or {}), "layers": layers},
+            what="K-FAC configuration",
+        )
         if not blocks:
             raise ValueError(
                 f"model has no supported layer to precondition (of the kinds {config.layer_kinds}"
@@ -271,6 +286,14 @@ class KFACCurvature:
     def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over ranks of a few control scalars (on the blocks' device)."""
         return self._engine.mean_over_ranks(values)
+
+    def check_same_on_ranks(self, settings: Mapping[str, object], *, what: str) -> None:
+        """Raises the same ``ValueError`` on every rank unless ``settings`` agree on all.
+
+        Every rank must call it at the same point (nothing is sent with one rank); see
+        :func:`kaisa.distributed.agreement.check_same_on_ranks`.
+        """
+        check_same_on_ranks(settings, what=what, device=self._device)
 
     def is_grad_worker(self, name: str) -> bool:
         """Whether this rank keeps block ``name``'s decompositions."""

@@ -191,9 +191,10 @@ def conv_g_factor(
     if groups == 1:
         return ops.covariance(d, scale).unsqueeze(0)
     m = c // groups
+    d, f = ops.prescaled(d, n * s, scale)  # as ops.covariance: no overflow before the scale
     dg = d.reshape(n * s, groups, m).transpose(0, 1)  # (groups, N*S, m)
     out = torch.bmm(dg.transpose(1, 2), dg).mul_(scale)
-    return (out + out.transpose(1, 2)).mul_(0.5)
+    return ops.rescaled((out + out.transpose(1, 2)).mul_(0.5), f, bias=False)
 
 
 def _unscale(d: torch.Tensor, loss_scale: float | torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ class KFAC(torch.optim.Optimizer):
         self.scaling = LossScaling(grad_scaler)
         self._reduced_precision = False
         self._schedules = Schedules({name: getattr(config.kfac, name) for name in _SCHEDULES})
-        self.curvature = KFACCurvature(model, config.kfac, stacklevel=2)
+        self.curvature = KFACCurvature(model, config.kfac, stacklevel=2, settings=config.settings())
         covered = {id(p) for b in self.curvature.blocks.values() for p in b.parameters()}
         rest: list[torch.Tensor] = [p for p in params if id(p) not in covered]
         rule = config.first_order_rule()

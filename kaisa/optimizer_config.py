@@ -190,6 +190,22 @@ class KFACOptimizerConfig:
         set_(self, "fisher_scaled", self.curvature is Curvature.MC or adaptive_lr)
         set_(self, "omega", self.damping_decay**self.damping_interval)
 
+    def settings(self) -> dict[str, object]:
+        """KFAC's own settings every rank must share (the core adds :attr:`kfac`'s).
+
+        ``lr`` and ``momentum`` given as callables count with their value at step 0, a
+        ``first_order`` rule with its name; the grad scaler with its type.
+        """
+        out: dict[str, object] = {"loss": (self.loss.kind, self.loss.reduction)}
+        for name in ("curvature", "jvp", "mc_samples", "lr", "momentum", "damping",
+                     "adaptive_damping", "damping_interval", "damping_decay", "min_damping",
+                     "max_damping", "weight_decay", "seed", "first_order"):
+            value = getattr(self, name)
+            out[name] = value(0) if name in ("lr", "momentum") and callable(value) else value
+        scaler = self.grad_scaler
+        out["grad_scaler"] = None if scaler is None else type(scaler).__qualname__
+        return out
+
     def first_order_rule(self) -> FirstOrder | None:
         """The first-order rule of uncovered parameters; ``None``: the fixed SGD step."""
         if self.first_order is not None:

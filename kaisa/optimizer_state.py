@@ -78,6 +78,10 @@ def checked(
     if not isinstance(extra, Mapping) or not isinstance(extra.get("preconditioner"), Mapping):
         raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.KFAC state dict")
     assert isinstance(state_dict, Mapping)
+    saved = extra["preconditioner"]
+    loaded = {"steps": extra.get("steps"), "damping": extra.get("damping"),
+              **{name: saved.get(name) for name in schedules.names()}}
+    curvature.check_same_on_ranks(loaded, what="loaded KFAC state")
     steps = check_count("steps", extra.get("steps"))
     damping = extra.get("damping")
     if isinstance(damping, bool) or not isinstance(damping, int | float) or not (

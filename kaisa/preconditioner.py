@@ -311,7 +311,11 @@ class KFACPreconditioner:
             ValueError: if the state is malformed or names other layers (a bad step count,
                 hyperparameter, factor shape or a non-finite factor); nothing is loaded.
         """
-        if not isinstance(state_dict, Mapping) or "steps" not in state_dict:
+        if not isinstance(state_dict, Mapping):
+            raise ValueError("state_dict has no 'steps' entry; not a kaisa state dict")
+        loaded = {name: state_dict.get(name) for name in ("steps", *self._schedules.names())}
+        self._curvature.check_same_on_ranks(loaded, what="loaded K-FAC state")
+        if "steps" not in state_dict:
             raise ValueError("state_dict has no 'steps' entry; not a kaisa state dict")
         steps = check_count("steps", state_dict["steps"])  # everything checked, then loaded
         self._schedules.check_state_dict(state_dict)

@@ -389,3 +389,93 @@ def test_adaptive_kfac_every_strategy_equals_one_process(world: int) -> None:
                 assert torch.equal(p, p0), f"rank {r} differs from rank 0 ({strategy})"
         for p, q in zip(results[0][i], reference, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-8, atol=1e-10, msg=f"vs one process {strategy}")
+
+
+# ----------------------------------------------------------------------------- same settings
+
+
+def _mismatch_job(rank: int, world: int) -> dict[str, str]:
+    """Each case gives rank 1 another setting; every rank must raise the same error."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = Net().double()
+    net = DistributedDataParallel(model)
+    out: dict[str, str] = {}
+
+    def attempt(label: str, build: Any) -> None:
+        try:
+            build()
+        except ValueError as err:
+            out[label] = str(err)
+
+    other = rank == 1
+    attempt("damping", lambda: kaisa.KFACPreconditioner(
+        net, grad_worker_fraction="comm_opt", damping=1.0 if other else 0.01))
+    attempt("method", lambda: kaisa.KFACPreconditioner(
+        net, compute_method="inverse" if other else "eigen"))
+    attempt("callable", lambda: kaisa.KFACPreconditioner(
+        net, factor_decay=(lambda s: 0.5) if other else (lambda s: 0.95)))
+    attempt("kfac", lambda: kaisa.KFAC(
+        model, loss="cross_entropy", damping_interval=3 if other else 2))
+    attempt("kfac core", lambda: kaisa.KFAC(
+        model, loss="cross_entropy", inv_update_steps=5 if other else 2))
+    attempt("same", lambda: kaisa.KFACPreconditioner(net, damping=0.01, loglevel=10 + rank))
+    pre = kaisa.KFACPreconditioner(net, damping=0.01)
+    state = pre.state_dict()
+    if other:
+        state["damping"] = 1.0
+    attempt("load", lambda: pre.load_state_dict(state))
+    out["damping after load"] = str(pre.damping)
+    opt = kaisa.KFAC(model, loss="cross_entropy")
+    kfac_state = opt.state_dict()
+    if other:
+        kfac_state["kaisa"]["steps"] = 7
+    attempt("kfac load", lambda: opt.load_state_dict(kfac_state))
+    out["kfac steps after load"] = str(opt.steps)
+    dist.barrier()  # every rank is still in step
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_different_configurations_on_two_ranks_fail_on_every_rank() -> None:
+    results = run_distributed(_mismatch_job, 2, timeout=110)
+    assert results[0] == results[1], results  # the same message on every rank
+    out = results[0]
+    assert out["damping"] == (
+        "kaisa: the K-FAC configuration differs across ranks: damping is 0.01 on rank 0, "
+        "1.0 on rank 1; every rank must use the same settings"
+    )
+    assert "compute_method is ComputeMethod.EIGEN on rank 0, ComputeMethod.INVERSE on rank 1" in (
+        out["method"]
+    )
+    assert "factor_decay is 0.95 on rank 0, 0.5 on rank 1" in out["callable"]
+    assert "damping_interval is 2 on rank 0, 3 on rank 1" in out["kfac"]
+    assert "inv_update_steps is 2 on rank 0, 5 on rank 1" in out["kfac core"]
+    assert "same" not in out  # loglevel may differ
+    assert "the loaded K-FAC state differs across ranks: damping is 0.01 on rank 0, 1.0 on rank 1" in (
+        out["load"]
+    )
+    assert out["damping after load"] == "0.01"  # nothing loaded
+    assert "the loaded KFAC state differs across ranks: steps is 0 on rank 0, 7 on rank 1" in (
+        out["kfac load"]
+    )
+    assert out["kfac steps after load"] == "0"
+
+
+def _one_rank_job(rank: int, world: int) -> bool:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a collective with one rank")
+
+    dist.all_gather = refuse  # type: ignore[assignment]
+    dist.all_gather_object = refuse  # type: ignore[assignment]
+    pre = kaisa.KFACPreconditioner(Net().double(), damping=0.5)
+    pre.load_state_dict(pre.state_dict())
+    kaisa.KFAC(Net().double(), loss="cross_entropy")
+    return True
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_one_rank_checks_its_configuration_without_a_collective() -> None:
+    assert run_distributed(_one_rank_job, 1, timeout=50) == [True]

@@ -96,3 +96,63 @@ def test_large_factor_warning_names_layer_size_cost_and_fix() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing above the threshold: no warning
         kaisa.KFACPreconditioner(nn.Sequential(nn.Linear(8191, 4)))
+
+
+@pytest.mark.parametrize("backend", ["ext", "torch"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_finite_factor_whose_float32_sum_overflows_is_folded(backend: str, bias: bool) -> None:
+    """Inputs of 1.2e19: every A entry is 1.44e38 (finite), X^T X before its 1/M is not.
+
+    The factors are computed with the inputs pre-scaled when the unscaled sum could
+    overflow, on every backend, so they are folded in (before: skipped as non-finite).
+    """
+    if backend == "ext" and not kaisa.ops.extension_available():
+        pytest.skip("extension not built")
+    from kaisa import factors
+
+    geometry = factors.ConvGeometry((3, 3), (1, 1), (1, 1), 1, (1, 1, 1, 1))
+    grouped = factors.ConvGeometry((1, 1), (1, 1), (1, 1), 2, (0, 0, 0, 0))
+    v = 1.2e19
+    with kaisa.ops.use_backend(backend):
+        a_lin = factors.linear_a_factor(torch.full((8, 3), v), bias=bias, dtype=torch.float32)
+        g_lin = factors.linear_g_factor(torch.full((8, 4), v), dtype=torch.float32)
+        a_conv = factors.conv_a_factor(
+            torch.full((2, 2, 4, 4), v), geometry, bias=bias, dtype=torch.float32
+        )
+        a_grouped = factors.conv_a_factor(
+            torch.full((2, 4, 4, 4), v), grouped, bias=bias, dtype=torch.float32
+        )
+        g_conv = factors.conv_g_factor(torch.full((2, 3, 4, 4), v), groups=1, dtype=torch.float32)
+        g_grouped = factors.conv_g_factor(
+            torch.full((2, 4, 4, 4), v), groups=2, dtype=torch.float32
+        )
+        a_lin64 = factors.linear_a_factor(torch.full((8, 3), v), bias=bias, dtype=torch.float64)
+    # Linear: v^2 everywhere, v in the bias row and column, 1 in the corner.
+    torch.testing.assert_close(a_lin, a_lin64.float(), rtol=1e-6, atol=0.0)
+    assert a_lin[0, 0, 0].item() == pytest.approx(1.44e38, rel=1e-6)
+    if bias:
+        assert a_lin[0, 0, -1].item() == pytest.approx(v, rel=1e-6)
+        assert a_lin[0, -1, -1].item() == pytest.approx(1.0, rel=1e-6)
+    for name, factor in {"A linear": a_lin, "G linear": g_lin, "A conv": a_conv,
+                         "A grouped conv": a_grouped, "G conv": g_conv,
+                         "G grouped conv": g_grouped}.items():
+        assert bool(torch.isfinite(factor).all()), name
+        assert torch.equal(factor, factor.transpose(-1, -2)), name
+        running = RunningFactors()
+        running.fold(factor, factor, 0.95)
+        assert running.skipped == 0 and running.a is not None, name
+    # G of a Conv2d: (D/S)^T (D/S) / (N*S) = v^2 / S^2 with S = 16 positions.
+    assert g_conv[0, 0, 0].item() == pytest.approx(1.44e38 / 256, rel=1e-6)
+    assert g_grouped[0, 0, 0].item() == pytest.approx(1.44e38 / 256, rel=1e-6)
+
+
+def test_finite_factor_whose_sum_overflows_is_folded_by_the_preconditioner() -> None:
+    model = nn.Linear(3, 2)
+    pre = kaisa.KFACPreconditioner(model, kl_clip=None)
+    with torch.no_grad():
+        model.weight.zero_()
+    model(torch.full((8, 3), 1.2e19)).sum().backward()
+    pre.step()
+    layer = pre.layers[""]
+    assert pre.skipped_factor_updates == 0
+    assert layer.a is not None and bool(torch.isfinite(layer.a).all())

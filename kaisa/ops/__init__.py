@@ -48,6 +48,7 @@ from kaisa.ops._checks import (
     _check_scalar,
     _conv_args,
 )
+from kaisa.ops._overflow import prescaled, rescaled
 
 __all__ = [
     "BACKENDS",
@@ -61,6 +62,8 @@ __all__ = [
     "extension_available",
     "extension_error",
     "kernels",
+    "prescaled",
+    "rescaled",
     "set_backend",
     "use_backend",
 ]
@@ -104,10 +107,12 @@ def covariance(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Te
     """
     xt = _check_float_tensor(x, "x", (2,))
     s = _check_scalar(scale, "scale")
+    xt, f = prescaled(xt, xt.shape[0], s)  # a finite result whose sum would overflow
     if _use_ext("covariance", xt.device):
         out: torch.Tensor = torch.ops.kaisa.covariance(xt, s, bool(bias))
-        return out
-    return _reference.covariance(xt, s, bias=bool(bias))
+    else:
+        out = _reference.covariance(xt, s, bias=bool(bias))
+    return rescaled(out, f, bias=bool(bias))
 
 
 @_fake("covariance")
@@ -157,12 +162,16 @@ def conv_covariance(
     """
     xt, ks, st, pd, dl, g = _conv_args(x, kernel_size, stride, padding, dilation, groups)
     s = _check_scalar(scale, "scale")
+    positions = [(xt.shape[2 + i] + 2 * pd[i] - dl[i] * (ks[i] - 1) - 1) // st[i] + 1
+                 for i in (0, 1)]
+    xt, f = prescaled(xt, xt.shape[0] * positions[0] * positions[1], s)
     if _use_ext("conv_covariance", xt.device):
         out: torch.Tensor = torch.ops.kaisa.conv_covariance(
             xt, list(ks), list(st), list(pd), list(dl), g, bool(bias), s
         )
-        return out
-    return _reference.conv_covariance(xt, ks, st, pd, dl, g, bool(bias), s)
+    else:
+        out = _reference.conv_covariance(xt, ks, st, pd, dl, g, bool(bias), s)
+    return rescaled(out, f, bias=bool(bias))
 
 
 @_fake("conv_covariance")

@@ -1,13 +1,16 @@
-"""torchrun integration: process-group setup and rank helpers."""
+"""torchrun integration: process-group setup, the DDP wrapper and rank helpers."""
 
 from __future__ import annotations
 
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -76,3 +79,69 @@ def all_reduce_sum(values: torch.Tensor, context: DistContext) -> torch.Tensor:
     if context.enabled:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+class OrderedAllreduce:
+    """A DDP communication hook whose sums do not depend on DDP's bucket layout.
+
+    DDP lays its gradient buckets out in the order of ``model.parameters()`` on the first
+    step after construction and rebuilds them in the order the gradients became ready
+    after it; the sum of an element in a ring allreduce starts on a rank given by the
+    element's position in the bucket, so with 3 or more ranks the rounding of every
+    gradient depends on the layout (with 2, ``a + b == b + a``). A run resumed from a
+    checkpoint starts with a fresh DDP, so its first step used the first layout where the
+    uninterrupted run used the rebuilt one: not bit-exact. This hook holds every bucket
+    until the last one is ready, then averages all gradients with one allreduce of one
+    flat tensor per dtype in ``model.parameters()`` order (a fixed layout on every step
+    of every run), and completes every bucket. The cost: no overlap of the gradient
+    allreduce with the backward pass.
+
+    Args:
+        model: The module DDP wraps (its parameters' order is the layout).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._order = {id(p): i for i, p in enumerate(model.parameters())}
+        self._pending: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future[Any]]] = []
+
+    def __call__(
+        self, state: object, bucket: Any
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Holds ``bucket`` (a ``dist.GradBucket``); after the last one, reduces all of them."""
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._pending.append((bucket.buffer(), list(bucket.parameters()), future))
+        if bucket.is_last():
+            self._reduce()
+        return future
+
+    def _reduce(self) -> None:
+        pending, self._pending = self._pending, []
+        slices: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        for buffer, params, _ in pending:
+            offset = 0
+            for p in params:
+                part = buffer[offset : offset + p.numel()]
+                slices.setdefault(buffer.dtype, []).append((self._order[id(p)], part))
+                offset += p.numel()
+        world = dist.get_world_size()
+        for parts in slices.values():
+            parts.sort(key=lambda item: item[0])
+            flat = torch.cat([part for _, part in parts]).div_(world)
+            dist.all_reduce(flat)
+            offset = 0
+            for _, part in parts:
+                part.copy_(flat[offset : offset + part.numel()])
+                offset += part.numel()
+        for buffer, _, future in pending:
+            future.set_result(buffer)
+
+
+def data_parallel(model: nn.Module, context: DistContext) -> nn.Module:
+    """``model`` in DDP with :class:`OrderedAllreduce` under torchrun, else itself."""
+    if not context.enabled:
+        return model
+    ddp = DistributedDataParallel(model)
+    hook = OrderedAllreduce(model)
+    # DDP compares the hook's annotations with dist.GradBucket; this module's are strings.
+    ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
+    return ddp

@@ -16,7 +16,6 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler, TensorDataset
 from tqdm import tqdm
 
@@ -24,7 +23,7 @@ from kaisa.models import build_model
 from kaisa.train import checkpoint
 from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
-from kaisa.train.distributed import DistContext, all_reduce_sum
+from kaisa.train.distributed import DistContext, all_reduce_sum, data_parallel
 from kaisa.train.files import deferred_interrupt
 from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner, build_scheduler
 
@@ -165,7 +164,7 @@ class Trainer:
         self.checkpoint_path, self.on_record = checkpoint_path, on_record
         self.model = build(options, data, context)
         self.result = RunResult(label=options.label, init_checksum=fingerprint(self.model))
-        self.net: nn.Module = DistributedDataParallel(self.model) if context.enabled else self.model
+        self.net: nn.Module = data_parallel(self.model, context)
         #: kaisa.KFAC (``--optimizer kfac``): adaptive lr/momentum, its own preconditioner.
         self.kfac_optimizer = options.optimizer == "kfac"
         if self.kfac_optimizer and options.accumulation_steps != 1:

@@ -1,0 +1,54 @@
+"""Gram matrices ``scale * Xb^T Xb`` whose sum before the scale would overflow.
+
+A finite input can give a non-finite Gram matrix: inputs of 1.2e19 make every entry of
+``X^T X / M`` 1.44e38 (finite in float32), but ``X^T X`` before the ``1 / M`` is not, and
+whether a kernel scales before or after its sum depends on the backend and the machine.
+When ``rows * max|x|^2`` could reach the dtype's maximum, the input is multiplied by
+``f = sqrt(scale)`` first and the result divided by ``f^2`` (by ``f`` in a bias row or
+column) afterwards; otherwise ``f = 1``, which changes no bit. The choice is made on the
+device (no host synchronisation) and is the same on every backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["prescaled", "rescaled"]
+
+
+def prescaled(x: torch.Tensor, rows: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x * f, f)``: ``f = sqrt(scale)`` where the unscaled sum could overflow, else 1.
+
+    Args:
+        x: The input whose entries fill the Gram matrix (at most ``rows`` products of two
+            entries are summed into each of its entries).
+        rows: The number of products summed per entry.
+        scale: The Gram matrix's multiplier (at most 1 where it matters: ``1 / rows``).
+
+    Returns:
+        The input to give the kernel, and ``f`` (a 0-d tensor of ``x``'s dtype) for
+        :func:`rescaled`.
+    """
+    one = torch.ones((), dtype=x.dtype, device=x.device)
+    if x.numel() == 0 or rows == 0 or not 0.0 < scale < 1.0:
+        return x, one
+    big = x.detach().abs().amax().double()
+    limit = torch.finfo(x.dtype).max / 4.0  # margin for the rounding of partial sums
+    risky = big * big * float(rows) > limit
+    f = torch.where(risky, torch.full_like(one, math.sqrt(scale)), one)
+    return x * f, f
+
+
+def rescaled(gram: torch.Tensor, f: torch.Tensor, *, bias: bool) -> torch.Tensor:
+    """Undoes :func:`prescaled` on ``gram`` (``(..., d, d)``, a bias row and column last).
+
+    Divides by ``f^2``, and the bias row and column by ``f`` (their ones were not scaled);
+    with ``f = 1`` every bit stays.
+    """
+    d = gram.shape[-1]
+    scales = f.expand(d).clone()
+    if bias:
+        scales[-1] = 1.0
+    return gram / (scales[:, None] * scales[None, :])
