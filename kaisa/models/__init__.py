@@ -12,12 +12,14 @@ from collections.abc import Callable
 from torch import nn
 
 from kaisa.models.cnn import SmallCNN, cnn
+from kaisa.models.gpt import GPT, gpt
 from kaisa.models.mlp import MLP, Autoencoder, autoencoder, mlp
 from kaisa.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
 from kaisa.models.resnet_imagenet import Bottleneck, ResNet50, resnet50
 from kaisa.models.transformer import PatchTransformer, SelfAttention, transformer
 
 __all__ = [
+    "GPT",
     "MODELS",
     "MLP",
     "Autoencoder",
@@ -31,6 +33,7 @@ __all__ = [
     "autoencoder",
     "build_model",
     "cnn",
+    "gpt",
     "mlp",
     "resnet20",
     "resnet32",
@@ -50,6 +53,7 @@ _BUILDERS: dict[str, _Builder] = {
     "resnet56": lambda c, s, k: resnet56(num_classes=k, in_channels=c),
     "resnet50": lambda c, s, k: resnet50(num_classes=k, in_channels=c),
     "transformer": lambda c, s, k: transformer(in_channels=c, image_size=s, num_classes=k),
+    "gpt": lambda c, s, k: gpt(),  # byte-level; kaisa-train sizes it from --context/--d-model
 }
 
 #: Names accepted by :func:`build_model`.
