@@ -30,6 +30,7 @@ __all__ = [
     "ResNet50",
     "SelfAttention",
     "SmallCNN",
+    "TEXT_MODELS",
     "autoencoder",
     "build_model",
     "cnn",
@@ -56,8 +57,11 @@ _BUILDERS: dict[str, _Builder] = {
     "gpt": lambda c, s, k: gpt(),  # byte-level; kaisa-train sizes it from --context/--d-model
 }
 
-#: Names accepted by :func:`build_model`.
-MODELS: tuple[str, ...] = tuple(_BUILDERS)
+#: Models over byte ids ``(N, T)`` (``--task lm``); ``build_model`` builds them with defaults.
+TEXT_MODELS: tuple[str, ...] = ("gpt",)
+
+#: Names of the image/feature models accepted by :func:`build_model` (plus :data:`TEXT_MODELS`).
+MODELS: tuple[str, ...] = tuple(name for name in _BUILDERS if name not in TEXT_MODELS)
 
 #: Models that take flat ``(N, input_dim)`` inputs rather than images.
 FLAT_MODELS: frozenset[str] = frozenset({"mlp", "autoencoder"})
@@ -74,7 +78,7 @@ def build_model(
     """Build a model by name.
 
     Args:
-        name: One of :data:`MODELS`.
+        name: One of :data:`MODELS` or :data:`TEXT_MODELS`.
         in_channels: Image channels (1 for digits, 3 for CIFAR-10).
         image_size: Image height and width.
         num_classes: Output classes (ignored by ``autoencoder``).
@@ -88,7 +92,7 @@ def build_model(
         ValueError: If ``name`` is not a known model.
     """
     if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(_BUILDERS)}")
     if input_dim is not None and name in FLAT_MODELS:
         if name == "mlp":
             return mlp(input_dim=input_dim, num_classes=num_classes)

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
-from kaisa.models import MODELS
+from kaisa.models import MODELS, TEXT_MODELS
 from kaisa.train.data import DATASETS
 from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_kl_clip, parse_worker_fraction
 from kaisa.train.text import add_arguments as add_lm_arguments
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--model",
-        choices=MODELS,
+        choices=(*MODELS, *TEXT_MODELS),
         default=None,
         help="model (default: autoencoder for autoencode, cnn for classify, gpt for lm)",
     )
