@@ -12,12 +12,14 @@ from collections.abc import Callable
 from torch import nn
 
 from kaisa.models.cnn import SmallCNN, cnn
+from kaisa.models.gpt import GPT, gpt
 from kaisa.models.mlp import MLP, Autoencoder, autoencoder, mlp
 from kaisa.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
 from kaisa.models.resnet_imagenet import Bottleneck, ResNet50, resnet50
 from kaisa.models.transformer import PatchTransformer, SelfAttention, transformer
 
 __all__ = [
+    "GPT",
     "MODELS",
     "MLP",
     "Autoencoder",
@@ -28,9 +30,11 @@ __all__ = [
     "ResNet50",
     "SelfAttention",
     "SmallCNN",
+    "TEXT_MODELS",
     "autoencoder",
     "build_model",
     "cnn",
+    "gpt",
     "mlp",
     "resnet20",
     "resnet32",
@@ -50,10 +54,14 @@ _BUILDERS: dict[str, _Builder] = {
     "resnet56": lambda c, s, k: resnet56(num_classes=k, in_channels=c),
     "resnet50": lambda c, s, k: resnet50(num_classes=k, in_channels=c),
     "transformer": lambda c, s, k: transformer(in_channels=c, image_size=s, num_classes=k),
+    "gpt": lambda c, s, k: gpt(),  # byte-level; kaisa-train sizes it from --context/--d-model
 }
 
-#: Names accepted by :func:`build_model`.
-MODELS: tuple[str, ...] = tuple(_BUILDERS)
+#: Models over byte ids ``(N, T)`` (``--task lm``); ``build_model`` builds them with defaults.
+TEXT_MODELS: tuple[str, ...] = ("gpt",)
+
+#: Names of the image/feature models accepted by :func:`build_model` (plus :data:`TEXT_MODELS`).
+MODELS: tuple[str, ...] = tuple(name for name in _BUILDERS if name not in TEXT_MODELS)
 
 #: Models that take flat ``(N, input_dim)`` inputs rather than images.
 FLAT_MODELS: frozenset[str] = frozenset({"mlp", "autoencoder"})
@@ -70,7 +78,7 @@ def build_model(
     """Build a model by name.
 
     Args:
-        name: One of :data:`MODELS`.
+        name: One of :data:`MODELS` or :data:`TEXT_MODELS`.
         in_channels: Image channels (1 for digits, 3 for CIFAR-10).
         image_size: Image height and width.
         num_classes: Output classes (ignored by ``autoencoder``).
@@ -84,7 +92,7 @@ def build_model(
         ValueError: If ``name`` is not a known model.
     """
     if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(_BUILDERS)}")
     if input_dim is not None and name in FLAT_MODELS:
         if name == "mlp":
             return mlp(input_dim=input_dim, num_classes=num_classes)

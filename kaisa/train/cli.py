@@ -26,11 +26,17 @@ from kaisa.train.files import write_atomic
 from kaisa.train.lock import RunDirBusyError, RunLock
 from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner
 from kaisa.train.options import build_parser
+from kaisa.train.text import STDLIB_TEXT, load_text
 from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, model_for, train
 
 TASK_DEFAULTS = {
-    "autoencode": {"model": "autoencoder", "epochs": 100, "target": 0.02},
-    "classify": {"model": "cnn", "epochs": 20, "target": 0.97},
+    "autoencode": {
+        "model": "autoencoder", "epochs": 100, "target": 0.02, "dataset": "digits",
+        "batch_size": 128,
+    },
+    "classify": {"model": "cnn", "epochs": 20, "target": 0.97, "dataset": "digits",
+                 "batch_size": 128},
+    "lm": {"model": "gpt", "epochs": 3, "target": 2.5, "dataset": STDLIB_TEXT, "batch_size": 32},
 }
 
 
@@ -57,21 +63,34 @@ def _complete(options: argparse.Namespace) -> None:
         raise UsageError(f"--task autoencode needs --model autoencoder, not {options.model!r}")
     if options.task == "classify" and options.model == "autoencoder":
         raise UsageError("--model autoencoder only supports --task autoencode")
+    if (options.task == "lm") != (options.model == "gpt"):
+        raise UsageError("--task lm needs --model gpt, and --model gpt needs --task lm")
+    if (options.task == "lm") != (options.dataset == STDLIB_TEXT):
+        raise UsageError(f"--task lm needs --dataset {STDLIB_TEXT}, and only it reads it")
     if options.eval_train is None:
-        options.eval_train = options.dataset != "cifar10"
+        options.eval_train = options.dataset not in ("cifar10", STDLIB_TEXT)
     if options.augment is None:
         options.augment = options.dataset == "cifar10"
     if options.epochs < 1 or options.batch_size < 1 or options.accumulation_steps < 1:
         raise UsageError("--epochs, --batch-size and --accumulation-steps must be >= 1")
     if options.threads is None:
-        options.threads = 1 if options.dataset == "digits" else 0
+        options.threads = 1 if options.dataset in ("digits", STDLIB_TEXT) else 0
     if options.name is None:
         options.name = f"{options.dataset}-{options.model}-{options.task}"
     if options.name.strip() in ("", ".", ".."):
         raise UsageError(f"--name must name a run directory, got {options.name!r}")
 
 
-def _load_data(options: argparse.Namespace) -> Dataset:
+def _load_data(options: argparse.Namespace, world_size: int) -> Dataset:
+    if options.dataset == STDLIB_TEXT:
+        steps = options.steps_per_epoch * options.accumulation_steps
+        return load_text(
+            context=options.context,
+            examples_per_epoch=steps * options.batch_size * world_size,
+            max_bytes=options.text_bytes,
+            eval_windows=options.eval_windows,
+            seed=options.seed,
+        )
     if options.dataset == "digits":
         return load_digits()
     if options.dataset == "cifar10":
@@ -284,7 +303,7 @@ def _run(
         configs = [resolve(spec, options, parser) for spec in specs]
     except ValueError as error:
         raise UsageError(str(error)) from error
-    data = _load_data(options)
+    data = _load_data(options, context.world_size)
     for config in configs:
         _check(config, data)
     run_dir = Path(options.run_dir) / options.name

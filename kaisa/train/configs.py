@@ -63,6 +63,23 @@ TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
         "kfac_factor_decay": 0.8,
         "kfac_compute_method": "pi_inverse",
     },
+    # --task lm (byte GPT on stdlib text). AdamW 3e-3: best of 1e-3/3e-3/1e-2 in the anchors
+    # (300 steps, context 64, batch 32); the rest are from bench/gpt.py (docs/training.md).
+    ("lm", "sgd", False): {"lr": 0.3},  # not tuned
+    ("lm", "adamw", False): {"lr": 3e-3},
+    ("lm", "sgd", True): {"lr": 0.1, "kfac_damping": 0.03},  # not tuned
+    ("lm", "adamw", True): {  # the anchors' KFACPreconditioner + AdamW
+        "lr": 3e-3,
+        "kfac_damping": 0.03,
+        "kfac_factor_update_steps": 1,
+        "kfac_inv_update_steps": 10,
+    },
+    ("lm", "kfac", False): {  # a quick check only, not tuned
+        "kfac_damping": 0.1,
+        "kfac_factor_update_steps": 1,
+        "kfac_inv_update_steps": 5,
+        "kfac_compute_method": "pi_inverse",
+    },
     (None, "kfac", False): {
         "kfac_damping": 1e-3,
         "kfac_inv_update_steps": 5,
@@ -168,7 +185,7 @@ def resolve(
             raise ValueError(
                 f"invalid value {value!r} for {dest} in {spec.label!r}: {error}"
             ) from error
-    task = options.task if options.dataset == "digits" else None
+    task = options.task if options.dataset in ("digits", "stdlib-text") else None
     tuned = TUNED[(task, spec.optimizer, spec.kfac)] | {
         k: v for k, v in FALLBACK.items() if k not in TUNED[(task, spec.optimizer, spec.kfac)]
     }

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "synthetic")
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "synthetic", "stdlib-text")
+"""``stdlib-text`` (``--task lm``) lives in :mod:`kaisa.train.text`."""
 
 #: Files expected in the CIFAR-10 directory (the "CIFAR-10 python version").
 CIFAR_FILES: tuple[str, ...] = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch")
@@ -37,6 +38,16 @@ class Dataset:
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
+
+    @property
+    def train_size(self) -> int:
+        """Training examples per epoch (what the sampler shuffles and shards)."""
+        return len(self.train_x)
+
+    def batch(self, index: torch.Tensor, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of the training examples ``index`` (``epoch``: unused here)."""
+        del epoch
+        return self.train_x[index], self.train_y[index]
 
     @property
     def in_channels(self) -> int:

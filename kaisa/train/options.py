@@ -7,9 +7,10 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
-from kaisa.models import MODELS
+from kaisa.models import MODELS, TEXT_MODELS
 from kaisa.train.data import DATASETS
 from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_kl_clip, parse_worker_fraction
+from kaisa.train.text import add_arguments as add_lm_arguments
 
 EPILOG = """\
 examples:
@@ -262,18 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add(
         "--task",
-        choices=("autoencode", "classify"),
+        choices=("autoencode", "classify", "lm"),
         default="autoencode",
         help="autoencode: reconstruct inputs with MSE (classic K-FAC benchmark); "
-        "classify: cross-entropy (default: %(default)s)",
+        "classify: cross-entropy; lm: byte-level GPT on stdlib source (default: %(default)s)",
     )
     add(
         "--model",
-        choices=MODELS,
+        choices=(*MODELS, *TEXT_MODELS),
         default=None,
-        help="model (default: autoencoder for autoencode, cnn for classify)",
+        help="model (default: autoencoder for autoencode, cnn for classify, gpt for lm)",
     )
-    add("--dataset", choices=DATASETS, default="digits", help="dataset (default: %(default)s)")
+    add("--dataset", choices=DATASETS, default=None,
+        help="dataset (default: stdlib-text for lm, else digits)")
     add(
         "--data-dir",
         default=None,
@@ -316,16 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--batch-size",
         type=int,
-        default=128,
+        default=None,
         metavar="N",
-        help="examples per micro-batch and process (default: %(default)s)",
+        help="examples (lm: windows) per micro-batch and process (default: 128; lm 32)",
     )
     add(
         "--epochs",
         type=int,
         default=None,
         metavar="N",
-        help="epochs (default: 100 autoencode, 20 classify)",
+        help="epochs (default: 100 autoencode, 20 classify, 3 lm of --steps-per-epoch)",
     )
     add(
         "--time-budget",
@@ -395,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     _add_kfac(parser)
+    add_lm_arguments(parser, _int_from(1))
     group = parser.add_argument_group("comparison and output")
     add = group.add_argument
     add(
@@ -408,8 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--target",
         type=_finite(),
         default=None,
-        help="target: test accuracy (classify, default 0.97) or full-train MSE "
-        "(autoencode, default 0.02)",
+        help="target: test accuracy (classify, default 0.97), full-train MSE "
+        "(autoencode, default 0.02) or validation loss (lm, default 2.5)",
     )
     add("--name", default=None, help="run name (default: DATASET-MODEL-TASK)")
     add("--run-dir", default="runs", help="parent directory of runs (default: %(default)s)")

@@ -28,9 +28,11 @@ class Metric:
 
 
 def target_metric(task: str, eval_train: bool) -> Metric:
-    """Test accuracy for classify; full-train-set MSE (eval mode) for autoencode."""
+    """Test accuracy (classify), validation loss (lm), full-train-set MSE (autoencode)."""
     if task == "classify":
         return Metric("test_acc", "test accuracy", True)
+    if task == "lm":
+        return Metric("test_loss", "validation loss (cross-entropy per byte)", False)
     if eval_train:
         return Metric("train_mse", "train MSE (full set, eval mode)", False)
     return Metric("test_mse", "test MSE", False)
@@ -94,7 +96,8 @@ class MetricsFile:
 def epoch_line(record: Record, epochs: int) -> str:
     """One human-readable summary line for an epoch record."""
     parts = [f"[{record['config']}] epoch {record['epoch']:>3}/{epochs}", f"{record['time']:7.2f}s"]
-    for key in ("train_loss", "train_mse", "train_acc", "test_loss", "test_mse", "test_acc"):
+    keys = ("train_loss", "train_mse", "train_acc", "test_loss", "test_mse", "test_acc")
+    for key in (*keys, "test_bpb"):
         value = record.get(key)
         if value is not None and not math.isnan(value):
             parts.append(f"{key} {value:.4f}")
@@ -176,7 +179,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    test_key = "test_acc" if task == "classify" else "test_mse"
+    test_key = {"classify": "test_acc", "lm": "test_loss"}.get(task, "test_mse")
     rows = [(test_key, test_key.replace("_", " ")), (_train_key(results, task), "")]
     figure, axes = plt.subplots(2, 2, figsize=(11, 7.5), squeeze=False)
     for row, (key, title) in enumerate(rows):

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 from tqdm import tqdm
 
-from kaisa.models import build_model
+from kaisa.models import build_model, gpt
 from kaisa.train import checkpoint
 from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
@@ -80,6 +80,8 @@ def fingerprint(model: nn.Module) -> str:
 
 def model_for(options: argparse.Namespace, data: Dataset) -> nn.Module:
     """The model ``options`` name, shaped for ``data`` (on the CPU, unseeded)."""
+    if options.task == "lm":
+        return gpt(d_model=options.d_model, context=options.context)
     return build_model(
         options.model,
         in_channels=data.in_channels,
@@ -96,9 +98,11 @@ def build(options: argparse.Namespace, data: Dataset, context: DistContext) -> n
 
 
 def loss_fn(task: str, output: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """MSE reconstruction loss (autoencode) or cross-entropy (classify)."""
+    """MSE reconstruction loss (autoencode), cross-entropy (classify; lm: per byte)."""
     if task == "autoencode":
         return F.mse_loss(output, x.flatten(1))
+    if task == "lm":
+        return F.cross_entropy(output.flatten(0, 1), y.flatten())
     return F.cross_entropy(output, y)
 
 
@@ -142,6 +146,8 @@ def epoch_record(
         )
     loss, accuracy = evaluate(model, task, data.test_x, data.test_y, context)
     record["test_loss"] = loss
+    if task == "lm":  # validation cross-entropy per byte, in bits
+        record["test_bpb"] = loss / math.log(2)
     record["test_mse" if task == "autoencode" else "test_acc"] = (
         loss if task == "autoencode" else accuracy
     )
@@ -175,7 +181,7 @@ class Trainer:
             else build_optimizer(self.model.parameters(), options)
         )
         self.sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
-            TensorDataset(data.train_x),
+            TensorDataset(torch.arange(data.train_size)),
             num_replicas=context.world_size,
             rank=context.rank,
             shuffle=True,
@@ -352,7 +358,7 @@ class Trainer:
         out_of_time, start = False, time.perf_counter()
         for index in range(self.micro_batches):
             batch = order[index * options.batch_size : (index + 1) * options.batch_size]
-            x, y = self.data.train_x[batch], self.data.train_y[batch]
+            x, y = self.data.batch(batch, self.epoch)
             if options.augment:
                 x = augment_batch(x, generator)
             last_micro = (index + 1) % options.accumulation_steps == 0
