@@ -13,15 +13,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kaisa.blocks.base import (
-    BatchStatistics,
-    CurvatureBlock,
-    KFACLayer,
-    Preconditioned,
-    RunningFactors,
-)
+from kaisa.blocks.base import BatchStatistics, CurvatureBlock, KFACLayer, RunningFactors
 from kaisa.blocks.conv2d import Conv1dBlock, Conv2dBlock
 from kaisa.blocks.linear import LinearBlock
+from kaisa.blocks.preconditioned import Preconditioned
 from kaisa.blocks.scale_shift import ScaleShiftBlock
 from kaisa.enums import KFACApprox
 

@@ -21,7 +21,6 @@ separate pieces of state:
 
 A block *kind* (:mod:`kaisa.blocks.linear`, :mod:`kaisa.blocks.conv2d`) only says how
 the batch factors are computed from its module's inputs and output gradients.
-:class:`Preconditioned` is what preconditioning returns for one block.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from kaisa.finite import all_finite
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
 
-__all__ = ["BatchStatistics", "CurvatureBlock", "KFACLayer", "Preconditioned", "RunningFactors"]
+__all__ = ["BatchStatistics", "CurvatureBlock", "KFACLayer", "RunningFactors"]
 
 _FACTOR_KEYS = ("A", "G", "skipped_a", "skipped_g")
 
@@ -404,24 +403,6 @@ class CurvatureBlock:
 
 #: kfac-pytorch's name of the per-layer object (public API).
 KFACLayer = CurvatureBlock
-
-
-@dataclass(frozen=True)
-class Preconditioned:
-    """One block's preconditioned gradient, as the curvature core returns it.
-
-    Attributes:
-        block: The block.
-        grad: Its gradient matrix ``(groups, m, n)``.
-        direction: The preconditioned matrix, same shape.
-        valid: For a gradient received from another rank, a 0-d bool tensor saying
-            whether the sender had a result; ``None`` for one computed here.
-    """
-
-    block: CurvatureBlock
-    grad: torch.Tensor
-    direction: torch.Tensor
-    valid: torch.Tensor | None = None
 
 
 #: Decomposition entries readable as layer attributes (every method's state keys).

@@ -8,6 +8,8 @@ LayerNorm. Inputs are byte ids ``(B, T)`` with ``T <= context``; outputs are log
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -63,21 +65,6 @@ class GPT(nn.Module):
         return self.head(self.norm(x))  # type: ignore[no-any-return]
 
 
-def gpt(
-    *,
-    vocab_size: int = 256,
-    d_model: int = 128,
-    n_layers: int = 4,
-    n_heads: int = 4,
-    context: int = 128,
-    dropout: float = 0.0,
-) -> GPT:
-    """Build the byte-level GPT (defaults: d 128, 4 layers, 4 heads, context 128)."""
-    return GPT(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        context=context,
-        dropout=dropout,
-    )
+def gpt(**kwargs: Any) -> GPT:
+    """The byte-level GPT: :class:`GPT`'s keyword arguments (d 128, 4 layers, context 128)."""
+    return GPT(**kwargs)

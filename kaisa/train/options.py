@@ -198,13 +198,10 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         help="optimizer kfac: G from sampled targets (mc) or the true loss (default: mc)",
     )
     group.add_argument(
-        "--kfac-jvp",
-        choices=("forward", "double_backward"),
-        default=None,
-        help="optimizer kfac: how the quadratic model gets J v: forward-mode AD over a "
-        "replayed forward (works with every attention kernel) or double backward over the "
-        "training graph (cheaper on small MLPs) (default: double_backward for the digits "
-        "autoencoder, else forward)",
+        "--kfac-jvp", choices=("forward", "double_backward"), default=None,
+        help="optimizer kfac: J v of the quadratic model by forward mode over a replayed "
+        "forward (any attention kernel) or by double backward (default: double_backward "
+        "for the digits autoencoder, else forward)",
     )
     group.add_argument(
         "--kfac-min-damping",
