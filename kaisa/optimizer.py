@@ -80,10 +80,11 @@ class KFAC(torch.optim.Optimizer):
         seed: Seed of the Monte-Carlo target sampler.
         grad_scaler: A ``torch.amp.GradScaler`` for mixed precision (KFAC drives it; see
             the module docstring), or ``None``.
-        first_order: Builds the optimizer of the parameters no curvature block covers
-            (:meth:`coverage`) from their list; by default ``torch.optim.AdamW(lr=1e-3)``
-            with the adaptive lr, while a fixed lr steps every parameter with SGD. It
-            steps after the K-FAC update (and its damping rule), on the raw gradients.
+        first_order: Builds the optimizer of the parameters no block covers (:meth:`coverage`;
+            default ``AdamW(lr=1e-3)``; a fixed lr steps every parameter with SGD); it steps
+            after the K-FAC update and its damping rule, on the raw gradients.
+        max_momentum: Keep the adaptive momentum in ``[0, max_momentum]`` (the lr is then
+            the model's minimiser given it); ``None``: unconstrained (kfac-jax's rule).
         **preconditioner: Further :class:`~kaisa.KFACPreconditioner` arguments
             (``factor_update_steps``, ``inv_update_steps``, ``factor_decay``, ``kl_clip``
             for the fixed mode, ``grad_worker_fraction``, ...).
@@ -113,6 +114,7 @@ class KFAC(torch.optim.Optimizer):
         seed: int = 0,
         grad_scaler: Any = None,
         first_order: FirstOrder | None = None,
+        max_momentum: float | None = 1.0,
         **preconditioner: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -213,7 +215,8 @@ class KFAC(torch.optim.Optimizer):
             reduced = self.curvature.mean_over_ranks(torch.cat([quad.flatten(), lin,
                                                                 loss.detach().double()[None]]))
             coeffs, predicted = quadratic.minimise(reduced[: k * k].view(k, k),
-                                                   reduced[k * k : k * k + k], sq, self.damping)
+                                                   reduced[k * k : k * k + k], sq, self.damping,
+                                                   cfg.max_momentum)
             del vectors[len(coeffs):]  # momentum collinear with the direction was dropped
             loss_before = float(reduced[-1])
             self.timings["quadratic_model"] += time.perf_counter() - start
@@ -378,11 +381,9 @@ class KFAC(torch.optim.Optimizer):
         self.curvature.end_step()
         self._arm()
 
-    def _arm(self) -> None:
-        """Tells the core whether the coming forward passes record statistics."""
-        steps = self.steps
-        self.curvature.recording = steps % self._schedules.integer(
-            "factor_update_steps", steps) == 0
+    def _arm(self) -> None:  # whether the coming forward passes record statistics
+        s = self.steps
+        self.curvature.recording = s % self._schedules.integer("factor_update_steps", s) == 0
 
     def _params(self) -> list[torch.Tensor]:
         """The trainable parameters (one frozen after construction is skipped)."""

@@ -103,6 +103,7 @@ class KFACOptimizerConfig:
     seed: int
     grad_scaler: Any
     first_order: FirstOrder | None
+    max_momentum: float | None
     kfac: KFACConfig
     adaptive_lr: bool = field(init=False)
     adaptive_momentum: bool = field(init=False)
@@ -174,6 +175,12 @@ class KFACOptimizerConfig:
             raise ValueError(f"damping_decay must be < 1, got {self.damping_decay!r}")
         if not self.min_damping <= self.damping <= self.max_damping:
             raise ValueError("damping must lie in [min_damping, max_damping]")
+        if self.max_momentum is not None and (
+            isinstance(self.max_momentum, bool) or not isinstance(self.max_momentum, int | float)
+            or not (math.isfinite(self.max_momentum) and self.max_momentum >= 0)
+        ):
+            raise ValueError(f"max_momentum must be None or a number >= 0, got "
+                             f"{self.max_momentum!r}")
         if self.first_order is not None and not callable(self.first_order):
             raise ValueError(
                 "first_order must be a callable building a torch.optim.Optimizer from a "

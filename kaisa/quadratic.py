@@ -226,13 +226,16 @@ def solve(quad: torch.Tensor, lin: torch.Tensor) -> torch.Tensor | None:
 
 
 def minimise(
-    quad: torch.Tensor, lin: torch.Tensor, squares: torch.Tensor, damping: float
+    quad: torch.Tensor, lin: torch.Tensor, squares: torch.Tensor, damping: float,
+    max_momentum: float | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The model's minimiser and the undamped prediction of its change.
 
     Where ``Q`` is not positive definite with two directions (momentum collinear with the
     preconditioned direction) the second is dropped; where it is not with one, the step
-    is zero (a degenerate model takes no step).
+    is zero (a degenerate model takes no step). With ``max_momentum``, a momentum outside
+    ``[0, max_momentum]`` is clamped to it and ``alpha`` is the model's minimiser given that
+    momentum: ``alpha = -(b_0 + Q_01 mu) / Q_00``.
 
     Returns:
         ``(coefficients, predicted change)``; ``len(coefficients)`` directions are used.
@@ -245,6 +248,9 @@ def minimise(
         coeffs = solve(quad, lin)
     if coeffs is None:
         coeffs = torch.zeros(k, dtype=torch.float64, device=quad.device)
+    elif k == 2 and max_momentum is not None and not 0.0 <= float(coeffs[1]) <= max_momentum:
+        mu = coeffs[1].clamp(0.0, max_momentum)
+        coeffs = torch.stack([-(lin[0] + quad[0, 1] * mu) / quad[0, 0], mu])
     return coeffs, predicted_change(quad, lin, squares, coeffs, damping)
 
 

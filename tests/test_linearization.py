@@ -115,3 +115,38 @@ def test_app_trains_the_transformer_with_kfac(tmp_path: Path) -> None:
     settings = json.loads((tmp_path / "digits-transformer-classify" / "summary.json")
                           .read_text())["settings"]
     assert settings["kfac"]["kfac_jvp"] == "forward"
+
+
+def test_clamped_momentum_is_the_models_minimiser_along_the_direction() -> None:
+    from kaisa import quadratic
+
+    quad = torch.tensor([[2.0, 1.5], [1.5, 2.0]], dtype=torch.float64)
+    for lin, want_mu in (([1.0, -3.0], 1.0), ([-1.0, 2.0], 0.0), ([1.0, 0.5], None)):
+        b = torch.tensor(lin, dtype=torch.float64)
+        free = -torch.linalg.solve(quad, b)
+        coeffs, _ = quadratic.minimise(quad, b, torch.eye(2, dtype=torch.float64), 0.0, 1.0)
+        if want_mu is None:  # inside [0, 1]: the unconstrained minimiser
+            assert 0.0 <= float(free[1]) <= 1.0 and torch.allclose(coeffs, free)
+            continue
+        assert not 0.0 <= float(free[1]) <= 1.0 and float(coeffs[1]) == want_mu
+        # d/d alpha of 1/2 c.Q c + b.c vanishes at the clamped momentum
+        assert abs(float(quad[0] @ coeffs + b[0])) < 1e-12
+
+
+def test_kfac_defaults_on_a_small_gpt_stay_finite_and_bounded() -> None:
+    """Defaults on the byte-level GPT over the stdlib text: no NaN, momentum in [0, 1]."""
+    from kaisa.models.gpt import GPT
+    from kaisa.train import text
+
+    train, _ = text.split(text.load_corpus(max_bytes=1 << 18))
+    torch.manual_seed(0)
+    model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
+    opt = kaisa.KFAC(model, loss="cross_entropy")
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(40):
+        w = text.windows(train, torch.randint(0, len(train) - 17, (8,), generator=g), 16)
+        losses.append(float(opt.step(lambda w=w: (model(w[:, :-1]), w[:, 1:]))))  # type: ignore[arg-type]
+        assert 0.0 <= opt.last["momentum"] <= 1.0 and math.isfinite(opt.last["lr"])
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0

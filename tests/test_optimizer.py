@@ -139,7 +139,7 @@ def test_chosen_lr_and_momentum_minimise_the_quadratic_model(kind: str) -> None:
     model = _mlp(out=3)
     wd = 0.01
     opt = kaisa.KFAC(model, loss=kind, damping=0.05, weight_decay=wd, adaptive_damping=False,
-                     curvature="empirical", inv_dtype=torch.float64)
+                     curvature="empirical", inv_dtype=torch.float64, max_momentum=None)
     x, y = _batch(out=3, classes=kind == "cross_entropy")
     previous: torch.Tensor | None = None
     for _ in range(3):
