@@ -14,6 +14,7 @@ from kaisa.blocks import KFACLayer
 from kaisa.config import KFACConfig
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 from kaisa.optimizer import KFAC, Curvature
+from kaisa.optimizer_config import JacobianMethod
 from kaisa.preconditioner import KFACPreconditioner
 from kaisa.scheduler import LambdaParamScheduler
 
@@ -23,6 +24,7 @@ __all__ = [
     "ComputeMethod",
     "Curvature",
     "DistributedStrategy",
+    "JacobianMethod",
     "KFACApprox",
     "KFACConfig",
     "KFACLayer",

@@ -128,9 +128,7 @@ class StatisticsRecorder:
         self._handles.clear()
 
     def end_step(self) -> None:
-        """Resets the per-step counters (and the blocks' per-step state)."""
-        for layer in self._layers.values():
-            layer.end_step()
+        """Resets the per-step counters."""
         self._forward_calls.clear()
         self._grad_calls.clear()
         self._micro_batches = 0
@@ -163,16 +161,19 @@ class StatisticsRecorder:
                 return  # e.g. a keyword-only call: nothing to record, never raise
             name = layer.name
             self._forward_calls[name] = self._forward_calls.get(name, 0) + 1
-            self._timed(self._record_input, layer, args[0].detach())
-            output.register_hook(self._grad_hook(layer))  # type: ignore[no-untyped-call]
+            x = args[0].detach()
+            self._timed(self._record_input, layer, x)
+            output.register_hook(self._grad_hook(layer, x))  # type: ignore[no-untyped-call]
 
         return hook
 
-    def _grad_hook(self, layer: CurvatureBlock) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(
+        self, layer: CurvatureBlock, x: torch.Tensor
+    ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self.g_passes == 0:
                 return
-            self._timed(self._record_grad, layer, grad.detach())
+            self._timed(self._record_grad, layer, grad.detach(), x)
             if not self._in_hook:
                 return
             name = layer.name
@@ -201,20 +202,17 @@ class StatisticsRecorder:
         with torch.no_grad(), full_precision(x):
             layer.record_input(x, in_hook=self._in_hook)
 
-    def _record_grad(self, layer: CurvatureBlock, d: torch.Tensor) -> None:
+    def _record_grad(self, layer: CurvatureBlock, d: torch.Tensor, x: torch.Tensor) -> None:
         divisor = self.divisor if self.divisor is not None else loss_scale(self._grad_scaler)
         with torch.no_grad(), full_precision(d):
-            layer.record_output_grad(d, divisor, in_hook=self._in_hook)
+            layer.record_output_grad(d, divisor, in_hook=self._in_hook, inputs=x)
 
     def _timed(
-        self,
-        fn: Callable[[CurvatureBlock, torch.Tensor], None],
-        layer: CurvatureBlock,
-        t: torch.Tensor,
+        self, fn: Callable[..., None], layer: CurvatureBlock, *tensors: torch.Tensor
     ) -> None:
         if torch.compiler.is_compiling():  # no host timers inside a compiled graph
-            fn(layer, t)
+            fn(layer, *tensors)
             return
         start = time.perf_counter()
-        fn(layer, t)
+        fn(layer, *tensors)
         self._timings["factors"] += time.perf_counter() - start

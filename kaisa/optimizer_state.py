@@ -102,6 +102,12 @@ def checked(
         raise ValueError(f"state_dict generator is not a generator state ({err})") from None
     _check_parameter_state(state_dict, param_groups)
     rule = extra.get("first_order")
+    if (first_order is None) != (rule is None):
+        raise ValueError(
+            "state_dict first_order does not fit: saved "
+            f"{'with' if rule is not None else 'without'} a first-order optimizer, this KFAC "
+            f"has {'one' if first_order is not None else 'none'} (another lr mode or coverage?)"
+        )
     if first_order is not None and rule is not None:
         try:
             copy.deepcopy(first_order).load_state_dict(rule)

@@ -54,7 +54,7 @@ def test_coverage_names_every_trainable_parameter_once_and_logs_one_line(
                      "elements) in 2 blocks; first-order: norm.weight, norm.bias"]
     opt = kaisa.KFAC(_Net(), loss="cross_entropy", layer_kinds=("linear", "conv2d"))
     assert opt.coverage() == want
-    every = kaisa.KFAC(_Net(), loss="cross_entropy")  # KFAC registers every kind
+    every = kaisa.KFAC(_Net(), loss="cross_entropy", layer_kinds="all")
     assert every.coverage() == want | {"norm.weight": "scale_shift", "norm.bias": "scale_shift"}
 
 
@@ -63,7 +63,7 @@ def test_uncovered_parameters_follow_adamw_on_their_raw_gradients() -> None:
     model = _Net()
     reference = copy.deepcopy(model)
     tokens, targets = _data()
-    opt = kaisa.KFAC(model, loss="cross_entropy", layer_kinds=("linear", "conv2d"))
+    opt = kaisa.KFAC(model, loss="cross_entropy")  # norms are first-order by default
     assert isinstance(opt.first_order, torch.optim.AdamW)
     opt.step(lambda: (model(tokens), targets))
     loss = nn.functional.cross_entropy(reference(tokens).reshape(-1, 7), targets.reshape(-1))

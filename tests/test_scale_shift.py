@@ -91,7 +91,7 @@ def test_a_norm_called_twice_pairs_each_call_with_its_gradient() -> None:
 def test_kfac_preconditions_norms_inside_the_quadratic_model() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 2)).double()
-    opt = kaisa.KFAC(model, loss="mse", mc_samples=2)
+    opt = kaisa.KFAC(model, loss="mse", mc_samples=2, layer_kinds="all")
     assert opt.first_order is None and opt.coverage()["1.weight"] == "scale_shift"
     x, y = torch.randn(8, 3), torch.randn(8, 2)
     losses = [float(opt.step(lambda: (model(x), y))) for _ in range(6)]  # type: ignore[arg-type]
@@ -136,3 +136,21 @@ def test_norm_blocks_on_two_ranks_equal_one_process() -> None:
     for got in run_distributed(_rank_fn, 2, timeout=120):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_micro_batches_pair_each_norm_input_with_its_own_gradient() -> None:
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(4).double()
+    pre = kaisa.KFACPreconditioner(norm, factor_decay=1e-300, accumulation_steps=2,
+                                   layer_kinds="all")
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    rs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
+    for x, r in zip(xs, rs, strict=True):
+        (norm(x * 2.0) * r).sum().backward()
+    pre.step()
+    per_batch = [torch.stack([((_xhat_rows(norm, x * 2.0) * r) ** 2).mean(0), (r**2).mean(0)])
+                 for x, r in zip(xs, rs, strict=True)]
+    block = pre.layers[""]
+    assert block.g is not None
+    torch.testing.assert_close(block.g[0], (per_batch[0] + per_batch[1]) / 2, rtol=1e-12,
+                               atol=1e-14)

@@ -1,7 +1,7 @@
 """Curvature blocks: one :class:`~kaisa.blocks.base.CurvatureBlock` kind per layer kind.
 
-Each kind is a subclass for one module type. Adding a kind (Embedding, LayerNorm, ...)
-is one new module plus one entry in :data:`BLOCK_KINDS`.
+Each kind is a subclass for one module type (or a few). Adding a kind (Embedding,
+attention projections, ...) is one new module plus one entry in :data:`BLOCK_KINDS`.
 """
 
 from __future__ import annotations

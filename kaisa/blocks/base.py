@@ -19,8 +19,10 @@ separate pieces of state:
 * ``layer.decomposition``: the second-order method's state (a ``dict`` of tensors, see
   :mod:`kaisa.methods`); the layer never interprets it.
 
-A block *kind* (:mod:`kaisa.blocks.linear`, :mod:`kaisa.blocks.conv2d`) only says how
-the batch factors are computed from its module's inputs and output gradients.
+A block *kind* (:mod:`kaisa.blocks.linear`, :mod:`kaisa.blocks.conv2d`) says how the
+batch factors are computed from its module's inputs and output gradients; a diagonal
+kind (:mod:`kaisa.blocks.scale_shift`) also records, lays out and preconditions its own
+statistics.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class CurvatureBlock:
 
     @property
     def dims(self) -> tuple[int, int]:
-        """``(a_dim, g_dim)`` of one Kronecker block."""
+        """``(a_dim, g_dim)`` of one Kronecker block (diagonal kinds: their own layout)."""
         weight = self.weight
         return weight[0].numel() + int(self.has_bias), weight.shape[0] // self.groups
 
@@ -263,16 +265,18 @@ class CurvatureBlock:
             self.stats.saved_inputs.append(x)
 
     def record_output_grad(
-        self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool
+        self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool,
+        inputs: torch.Tensor,
     ) -> None:
-        """What the output-gradient hook records: the batch G factor, or ``d`` for later."""
+        """What the output-gradient hook records: the batch G factor, or ``d`` for later.
+
+        ``inputs`` are the inputs of the forward call whose output ``d`` belongs to
+        (kinds whose statistics pair them, like scale-and-shift blocks, use them).
+        """
         if in_hook:
             self.stats.add_g(self.compute_g_batch(d, divisor))
         else:
             self.stats.saved_grads.append((d, divisor))
-
-    def end_step(self) -> None:
-        """The step is over (kinds that keep per-step state forget it)."""
 
     def precondition_diagonal(self, grad: torch.Tensor, damping: float) -> torch.Tensor | None:
         """``grad / (F + damping)`` for a diagonal block (``None`` before statistics)."""

@@ -1,11 +1,13 @@
 """Scale-and-shift blocks: ``nn.LayerNorm``, ``nn.RMSNorm`` and BatchNorm affine parameters.
 
-kfac-jax's diagonal block (``ScaleAndShiftDiagonal``): with ``xhat`` the normalised input
+A diagonal block: with ``xhat`` the normalised input
 and ``D`` the output gradient, both as rows ``(M, E)`` (``M`` every position that shares
 the parameters; for BatchNorm the channels are ``E``),
 ``F_scale = mean over rows of (xhat * D)^2`` and ``F_shift = mean over rows of D^2``,
 running-averaged like a factor (starting from ones), and the preconditioned gradient is
-``grad / (F + damping)``. The statistics are a ``(1, P, E)`` tensor (``P`` = 2 with a
+``grad / (F + damping)`` (kfac-jax-like; its ``ScaleAndShiftDiagonal`` sums over an
+example's positions before squaring and starts from zeros: this is the per-row second
+moment, as KFAC-expand). The statistics are a ``(1, P, E)`` tensor (``P`` = 2 with a
 shift, 1 without) kept in the G slot; there is no A factor and no decomposition, so these
 blocks are preconditioned on every rank (:meth:`ScaleShiftBlock.precondition_diagonal`)
 after their statistics are averaged over ranks like any factor.
@@ -35,11 +37,6 @@ class ScaleShiftBlock(CurvatureBlock):
     )
     kind = "scale_shift"
     diagonal = True
-
-    def setup(self) -> None:
-        """The step's normalised inputs, kept until their output gradients arrive."""
-        self._inputs: list[torch.Tensor] = []
-        self._grads_seen = 0
 
     @property
     def dims(self) -> tuple[int, int]:
@@ -73,31 +70,20 @@ class ScaleShiftBlock(CurvatureBlock):
         return d.reshape(-1, self.weight.numel())
 
     def record_input(self, x: torch.Tensor, *, in_hook: bool) -> None:
-        """Keeps ``xhat`` until the output gradient arrives (whatever ``in_hook``)."""
-        self._inputs.append(self.normalized(x))
+        """Nothing: the output-gradient hook gets its call's input."""
 
     def record_output_grad(
-        self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool
+        self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool,
+        inputs: torch.Tensor,
     ) -> None:
-        """``[mean((xhat D)^2); mean(D^2)]`` with ``D / divisor``.
-
-        Output gradients of a pass arrive in the reverse order of the forward calls;
-        Monte-Carlo passes repeat that order.
-        """
-        count = len(self._inputs)
-        xhat = self._inputs[count - 1 - self._grads_seen % count]
-        self._grads_seen += 1
+        """``[mean((xhat D)^2); mean(D^2)]`` of one call, with ``D / divisor``."""
+        xhat = self.normalized(inputs)
         rows = self._grad_rows(d)
         rows = rows / (divisor.to(rows.dtype) if isinstance(divisor, torch.Tensor) else divisor)
         parts = [(xhat * rows).square().mean(0)]
         if self.has_bias:
             parts.append(rows.square().mean(0))
         self.stats.add_g(torch.stack(parts).unsqueeze(0))
-
-    def end_step(self) -> None:
-        """Forgets this step's normalised inputs."""
-        self._inputs.clear()
-        self._grads_seen = 0
 
     def precondition_diagonal(self, grad: torch.Tensor, damping: float) -> torch.Tensor | None:
         """``grad / (F + damping)``, ``None`` before the first statistics."""
