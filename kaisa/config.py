@@ -89,9 +89,13 @@ class KFACConfig:
             ``'conv1d'`` and ``'scale_shift'``: LayerNorm, RMSNorm, BatchNorm affine), or
             a tuple of kind names; stored as a tuple.
         loglevel: Logging level of the informational messages.
-        collective_timeout: Seconds a K-FAC collective may wait for its peers before it
+        collective_timeout: Seconds a K-FAC collective (factor averages, decomposition
+            and gradient broadcasts, control reductions) may wait for its peers before it
             fails with an error naming the collective, the ranks and the timeout; ``None``
-            uses the default process group's timeout (30 minutes on gloo).
+            uses the default process group's timeout (30 minutes on gloo). It does not
+            cover collectives outside kaisa, such as DDP's gradient allreduce: those are
+            bounded by the process group's own timeout
+            (``init_process_group(timeout=...)``; ``kaisa-train --pg-timeout``).
     """
 
     factor_update_steps: Schedule[int] = 1

@@ -479,3 +479,42 @@ def _one_rank_job(rank: int, world: int) -> bool:
 @pytest.mark.timeout(60)
 def test_one_rank_checks_its_configuration_without_a_collective() -> None:
     assert run_distributed(_one_rank_job, 1, timeout=50) == [True]
+
+
+def _ddp_hung_peer_job(rank: int, world: int) -> float:
+    """comm_opt + DDP, inverses every 3 steps: a peer hangs before its backward pass, so the
+    survivor waits in DDP's gradient allreduce (no K-FAC collective in between)."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = Net().double()
+    ddp = DistributedDataParallel(model)
+    pre = kaisa.KFACPreconditioner(ddp, inv_update_steps=3, inv_dtype=torch.float64,
+                                   collective_timeout=60.0)
+    for step in range(4):
+        x, y = _data(world, step)
+        shard = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        if step == 1 and rank == world - 1:
+            time.sleep(10.0)  # hangs past the survivor's process-group timeout
+            os._exit(0)
+        model.zero_grad()
+        start = time.monotonic()
+        try:
+            nn.functional.cross_entropy(ddp(x[shard]), y[shard]).backward()
+        except RuntimeError as err:
+            raise RuntimeError(f"{err} [after {time.monotonic() - start:.2f}s]") from None
+        pre.step()
+    return 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_hung_peer_in_ddps_allreduce_is_bounded_by_the_process_group_timeout() -> None:
+    """What bounds which wait (docs/reliability.md): K-FAC's collectives by
+    ``collective_timeout``, the user's DDP allreduce by the process group's timeout (the
+    app sets it with --pg-timeout), here 3 s although collective_timeout is 60 s."""
+    pg_timeout = 3.0
+    results = run_distributed_raw(_ddp_hung_peer_job, 2, timeout=80, pg_timeout=pg_timeout)
+    assert not results[0].ok, "the survivor should fail"
+    err = results[0].error
+    waited = float(err.split("[after ")[1].split("s]")[0])
+    assert waited < pg_timeout + 5.0, err
