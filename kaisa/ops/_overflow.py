@@ -31,13 +31,13 @@ def prescaled(x: torch.Tensor, rows: int, scale: float) -> tuple[torch.Tensor, t
         The input to give the kernel, and ``f`` (a 0-d tensor of ``x``'s dtype) for
         :func:`rescaled`.
     """
-    one = torch.ones((), dtype=x.dtype, device=x.device)
     if x.numel() == 0 or rows == 0 or not 0.0 < scale < 1.0:
-        return x, one
-    big = x.detach().abs().amax().double()
-    limit = torch.finfo(x.dtype).max / 4.0  # margin for the rounding of partial sums
-    risky = big * big * float(rows) > limit
-    f = torch.where(risky, torch.full_like(one, math.sqrt(scale)), one)
+        return x, torch.ones((), dtype=x.dtype, device=x.device)
+    # rows * max|x|^2 > limit, as max|x| > sqrt(limit / rows): one reduction, one compare
+    threshold = math.sqrt(torch.finfo(x.dtype).max / 4.0 / rows)  # margin for rounding
+    lo, hi = torch.aminmax(x.detach())  # min/max: far cheaper than a norm on CPU
+    risky = torch.maximum(hi, -lo) > threshold
+    f = 1.0 + risky.to(x.dtype) * (math.sqrt(scale) - 1.0)
     return x * f, f
 
 
@@ -47,8 +47,8 @@ def rescaled(gram: torch.Tensor, f: torch.Tensor, *, bias: bool) -> torch.Tensor
     Divides by ``f^2``, and the bias row and column by ``f`` (their ones were not scaled);
     with ``f = 1`` every bit stays.
     """
-    d = gram.shape[-1]
-    scales = f.expand(d).clone()
-    if bias:
-        scales[-1] = 1.0
-    return gram / (scales[:, None] * scales[None, :])
+    out = gram / (f * f)
+    if bias:  # the ones were not scaled: the bias row and column by f, their corner by 1
+        out[..., -1, :] *= f
+        out[..., :, -1] *= f
+    return out
