@@ -275,6 +275,19 @@ def test_type2_double_backward_records_the_same_g_as_forward_mode() -> None:
         torch.testing.assert_close(factors[1][name][1], g, rtol=1e-13, atol=1e-16)
 
 
+def test_type2_factors_computed_in_step_equal_the_hooks() -> None:
+    # update_factors_in_hook=False keeps each pass's output gradient with its divisor
+    factors = []
+    for in_hook in (True, False):
+        model, x, y = _classifier()
+        got, _ = _kfac_factors(model, x, y, "cross_entropy", "type2",
+                               update_factors_in_hook=in_hook)
+        factors.append(got)
+    for name, (a, g) in factors[0].items():
+        torch.testing.assert_close(factors[1][name][0], a, rtol=1e-14, atol=0)
+        torch.testing.assert_close(factors[1][name][1], g, rtol=1e-13, atol=1e-16)
+
+
 def test_type2_with_a_power_of_two_loss_scale_changes_nothing() -> None:
     models = [_classifier()[0], _classifier()[0]]
     _, x, y = _classifier()
