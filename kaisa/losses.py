@@ -6,7 +6,8 @@
 * targets sampled from the model's predictive distribution, for the Monte-Carlo Fisher
   (Gaussian with variance 1/2 for the squared error, whose per-element loss
   ``(f - y)^2`` is then the negative log-likelihood up to a constant; categorical for
-  cross-entropy);
+  cross-entropy), and the square root of their gradients' covariance, for the type-2
+  Fisher (``docs/conventions.md``, "Where ``kaisa.KFAC``'s G comes from");
 * ``u^T H v`` for the Hessian ``H`` of the loss with respect to the model outputs, which
   with Jacobian-vector products gives the exact Gauss-Newton (type-2 Fisher) quadratic
   forms of the quadratic model.
@@ -82,6 +83,20 @@ class Loss(abc.ABC):
         """Targets drawn from the model's predictive distribution at ``outputs``."""
 
     @abc.abstractmethod
+    def fisher_sqrt(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The output gradients of the type-2 Fisher's backward passes, stacked.
+
+        Column ``k`` (``out[k]``, the shape of ``outputs``) holds ``c S_i[:, k]`` at every
+        position ``i`` (an element of ``outputs`` but its last dimension), ``S_i`` a
+        factor of the position's negative log-likelihood Hessian ``H_i = S_i S_i^T``, so
+        that at each position ``sum_k out[k]_i out[k]_i^T`` is the covariance of the
+        loss's output gradient at targets from :meth:`sample_targets`.
+
+        Returns:
+            ``(K, *outputs.shape)``, in ``outputs``' dtype, no graph.
+        """
+
+    @abc.abstractmethod
     def gauss_newton(
         self, outputs: torch.Tensor, ju: torch.Tensor, jv: torch.Tensor
     ) -> torch.Tensor:
@@ -123,6 +138,21 @@ class MSELoss(Loss):
         noise = torch.randn(f.shape, generator=generator, dtype=f.dtype, device="cpu")
         sampled: torch.Tensor = f + noise.to(f.device) * (0.5**0.5)
         return sampled
+
+    def fisher_sqrt(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``S_i = sqrt(2) I`` over the last dimension (one column for 0-d or 1-D outputs).
+
+        ``H_i = 2 I``: the gradient of ``c (f - y)^2`` at ``y ~ f + N(0, 1/2)`` has
+        covariance ``2 c^2`` per element, elements independent.
+        """
+        f = outputs.detach()
+        if f.dim() <= 1:
+            return torch.full((1, *f.shape), self.scale(f) * 2.0**0.5, dtype=f.dtype,
+                              device=f.device)
+        k = f.shape[-1]
+        eye = torch.eye(k, dtype=f.dtype, device=f.device) * (self.scale(f) * 2.0**0.5)
+        columns: torch.Tensor = eye.reshape(k, *([1] * (f.dim() - 1)), k).expand(k, *f.shape)
+        return columns.clone()
 
     def gauss_newton(
         self, outputs: torch.Tensor, ju: torch.Tensor, jv: torch.Tensor
@@ -175,6 +205,20 @@ class CrossEntropyLoss(Loss):
         probs = torch.softmax(f.reshape(-1, f.shape[-1]).float(), dim=-1).cpu()
         drawn = torch.multinomial(probs, 1, generator=generator).reshape(f.shape[:-1])
         return drawn.to(f.device)
+
+    def fisher_sqrt(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``S_i = diag(sqrt(p_i)) - p_i sqrt(p_i)^T``, ``p_i`` the position's softmax.
+
+        ``S_i S_i^T = diag(p_i) - p_i p_i^T = H_i`` (curvlinops' factor: the same
+        columns). Computed in float64.
+        """
+        f = outputs.detach()
+        p = torch.softmax(f.double(), dim=-1)
+        root = p.sqrt()
+        # S[..., a, k] = [a == k] sqrt(p_a) - p_a sqrt(p_k); column k is S[..., :, k]
+        s = torch.diag_embed(root) - p.unsqueeze(-1) * root.unsqueeze(-2)
+        columns = (s * self.scale(f)).movedim(-1, 0)
+        return columns.to(f.dtype).contiguous()
 
     def gauss_newton(
         self, outputs: torch.Tensor, ju: torch.Tensor, jv: torch.Tensor

@@ -34,6 +34,7 @@ from kaisa.clipping import guarded_directions, write_preconditioned
 from kaisa.closure import Closure, call
 from kaisa.curvature import KFACCurvature
 from kaisa.first_order import fixed_value, sgd_update
+from kaisa.fisher import record_g
 from kaisa.hyperparams import Schedules
 from kaisa.losses import Loss, LossKind, Reduction
 from kaisa.optimizer_config import (
@@ -62,7 +63,9 @@ class KFAC(torch.optim.Optimizer):
             are preconditioned, every other trainable parameter follows ``first_order``.
         loss: ``'mse'`` or ``'cross_entropy'`` (``torch.nn.functional``'s).
         reduction: ``'mean'`` or ``'sum'``.
-        curvature: ``'mc'`` (sampled targets, the default) or ``'empirical'``.
+        curvature: ``'mc'`` (sampled targets, the default), ``'type2'`` (their
+            expectation: one backward pass per output column, for small output
+            dimensions) or ``'empirical'`` (``docs/conventions.md``).
         jvp: How the quadratic model gets ``J v``: ``'forward'`` (forward-mode AD over
             a replayed forward pass of the closure; works with every attention kernel)
             or ``'double_backward'`` (over the training graph).
@@ -157,15 +160,16 @@ class KFAC(torch.optim.Optimizer):
 
         Args:
             closure: Returns ``(outputs, targets)`` from a fresh forward pass of the
-                model on the current batch (needed for ``'mc'`` curvature and the adaptive
-                modes). Without it, call ``loss.backward()`` first.
+                model on the current batch (needed for ``'mc'`` and ``'type2'`` curvature
+                and the adaptive modes). Without it, call ``loss.backward()`` first.
 
         Returns:
             The loss (detached) when a closure is given, else ``None``.
 
         Raises:
             TypeError: If the closure does not return ``(outputs, targets)``.
-            ValueError: If its outputs carry no graph, or the targets do not fit the loss.
+            ValueError: If its outputs carry no graph, the targets do not fit the loss, or
+                ``'type2'`` curvature would take more backward passes than its limit.
 
         Whatever raises, the statistics the step recorded are dropped. A step whose
         gradient is not finite (with a finite loss) changes no parameter and warns.
@@ -178,10 +182,10 @@ class KFAC(torch.optim.Optimizer):
 
     def _step(self, closure: Closure | None) -> torch.Tensor | None:
         cfg = self.config
-        if closure is None and (cfg.adaptive_lr or cfg.curvature is Curvature.MC):
+        if closure is None and (cfg.adaptive_lr or cfg.curvature is not Curvature.EMPIRICAL):
             raise ValueError(
                 "KFAC.step() needs a closure returning (outputs, targets) for "
-                "curvature='mc' or lr='adaptive'"
+                "curvature='mc' or 'type2', or lr='adaptive'"
             )
         adapt = cfg.adaptive_damping and self.steps % cfg.damping_interval == 0
         # replayed forward passes (J v, the LM rule) start from the step forward's state
@@ -287,22 +291,14 @@ class KFAC(torch.optim.Optimizer):
                       if cfg.fisher_scaled else 1.0)
             divisor = self.scaling.divisor(fisher)
             scaled = self.scaling.scaled
-            if cfg.curvature is Curvature.MC and factor_step:
-                with curvature.output_gradients(passes=cfg.mc_samples, divisor=divisor):
-                    for sample in range(cfg.mc_samples):
-                        targets_mc = self.loss.sample_targets(outputs, self._generator)
-                        if sample == 0 and keep:
-                            # this pass records G and builds J^T for the quadratic model;
-                            # the seed is taken off the graph (no layer hook fires twice)
-                            free = outputs.detach().requires_grad_(True)
-                            (seed,) = torch.autograd.grad(scaled(self.loss(free, targets_mc)),
-                                                          free)
-                            linearization = quadratic.Linearization(
-                                outputs, [p for p in params if id(p) not in self._first_order_ids],
-                                seed)
-                        else:
-                            torch.autograd.grad(scaled(self.loss(outputs, targets_mc)), params,
-                                                retain_graph=True, allow_unused=True)
+            if cfg.curvature is not Curvature.EMPIRICAL and factor_step:
+                built = record_g(
+                    cfg.curvature, curvature, self.loss, outputs, params=params,
+                    covered=[p for p in params if id(p) not in self._first_order_ids],
+                    samples=cfg.mc_samples, generator=self._generator, divisor=divisor,
+                    scaled=scaled, linearize=keep,
+                )
+                linearization = built if built is not None else linearization
                 with curvature.output_gradients(passes=0):
                     torch.autograd.backward(scaled(loss), retain_graph=keep)
             else:

@@ -41,6 +41,7 @@ __all__ = [
     "JacobianMethod",
     "KFACOptimizerConfig",
     "StepSize",
+    "TYPE2_MAX_COLUMNS",
     "default_first_order",
 ]
 
@@ -52,10 +53,23 @@ FirstOrder = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 class Curvature(enum.Enum):
-    """Where the G factors come from."""
+    """Where the G factors come from (``docs/conventions.md`` defines each).
+
+    ``EMPIRICAL``: the true loss's backward pass. ``MC``: ``mc_samples`` passes at targets
+    sampled from the model's predictive distribution. ``TYPE2``: their expectation (where
+    each row of a block's output gradient depends on one position), one pass per column
+    of the loss Hessian's square root: as many as the outputs' last dimension, at most
+    :data:`TYPE2_MAX_COLUMNS`.
+    """
 
     EMPIRICAL = "empirical"
     MC = "mc"
+    TYPE2 = "type2"
+
+
+#: The most backward passes (output columns) ``curvature='type2'`` runs per factor step:
+#: beyond it ``'mc'`` with as many samples costs the same (``docs/conventions.md``).
+TYPE2_MAX_COLUMNS = 128
 
 
 class JacobianMethod(enum.Enum):
@@ -84,8 +98,8 @@ class KFACOptimizerConfig:
         adaptive_momentum: ``momentum == 'adaptive'``.
         adaptive_damping: The LM rule runs (it needs the adaptive lr).
         fisher_scaled: G factors are scaled to the Fisher of the declared loss (sampled
-            targets or the adaptive mode); the fixed empirical mode keeps kfac-pytorch's
-            convention.
+            targets, the type-2 Fisher, or the adaptive mode); the fixed empirical mode
+            keeps kfac-pytorch's convention.
         omega: The LM factor ``damping_decay ** damping_interval``.
     """
 
@@ -128,7 +142,7 @@ class KFACOptimizerConfig:
         Args:
             loss: The loss name.
             reduction: Its reduction.
-            curvature: ``'mc'`` or ``'empirical'``.
+            curvature: ``'mc'``, ``'type2'`` or ``'empirical'``.
             jvp: ``'forward'`` or ``'double_backward'``.
             preconditioner: The keyword arguments for the core (``KFACConfig`` fields).
             **arguments: The other :class:`~kaisa.KFAC` arguments.
@@ -196,7 +210,7 @@ class KFACOptimizerConfig:
         set_(self, "adaptive_momentum", adaptive_momentum)
         # The LM rule compares with the quadratic model's prediction: adaptive lr only.
         set_(self, "adaptive_damping", bool(self.adaptive_damping) and adaptive_lr)
-        set_(self, "fisher_scaled", self.curvature is Curvature.MC or adaptive_lr)
+        set_(self, "fisher_scaled", self.curvature is not Curvature.EMPIRICAL or adaptive_lr)
         set_(self, "omega", self.damping_decay**self.damping_interval)
 
     def settings(self) -> dict[str, object]:

@@ -8,35 +8,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
+from tests.support.sequence import C, N, Sequence, T, sequence_data
 
 pytestmark = pytest.mark.usefixtures("float64")
-
-N, T, C = 4, 5, 3
-
-
-class _Sequence(nn.Module):
-    """Two Linear layers over (N, T, features); logits flattened to (N*T, C)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(6, 7)
-        self.last = nn.Linear(7, C)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.last(torch.tanh(self.first(x))).reshape(-1, C)
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(N, T, 6, generator=g), torch.randint(0, C, (N * T,), generator=g)
 
 
 def _batch_factors(approx: str) -> tuple[nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """kaisa's A and G of one empirical-Fisher step (factor decay ~0: the batch's)."""
     torch.manual_seed(0)
-    model = _Sequence()
+    model = Sequence()
     pre = kaisa.KFACPreconditioner(model, kfac_approx=approx, factor_decay=1e-300)
-    x, y = _data()
+    x, y = sequence_data()
     F.cross_entropy(model(x), y).backward()
     pre.step()
     out = {}
@@ -48,7 +30,7 @@ def _batch_factors(approx: str) -> tuple[nn.Module, dict[str, tuple[torch.Tensor
 
 def test_reduce_factors_are_the_explicit_means_and_sums() -> None:
     model, got = _batch_factors("reduce")
-    x, y = _data()
+    x, y = sequence_data()
     inputs: dict[str, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
     for name in ("first", "last"):
@@ -88,7 +70,7 @@ def test_reduce_equals_expand_without_shared_dimensions() -> None:
 def test_linear_factors_equal_curvlinops_up_to_the_documented_scalars(approx: str) -> None:
     curvlinops = pytest.importorskip("curvlinops")
     model, got = _batch_factors(approx)
-    x, y = _data()
+    x, y = sequence_data()
     params = [p for p in model.parameters()]
     op = curvlinops.KFACLinearOperator(
         model, nn.CrossEntropyLoss(), params, [(x, y)],

@@ -359,6 +359,17 @@ def test_kfac_optimizer_compares_and_resumes_bit_exactly(tmp_path: Path) -> None
     assert records[-1]["train_mse"] < records[0]["train_mse"]
 
 
+def test_kfac_optimizer_takes_the_type2_curvature(tmp_path: Path) -> None:
+    # the digits autoencoder: 64 outputs, 64 backward passes per factor step
+    assert main(_args(tmp_path, "--no-plot", "--compare", "kfac", "--name", "t2",
+                      "--kfac-curvature", "type2")) == 0
+    lines = [json.loads(line) for line in (tmp_path / "t2" / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert lines[0]["settings"]["kfac_curvature"] == "type2"
+    records = _records(tmp_path / "t2" / "metrics.jsonl")
+    assert records[-1]["train_mse"] < 0.5 * records[0]["train_mse"]
+
+
 def test_kfac_optimizer_cannot_take_a_preconditioner(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

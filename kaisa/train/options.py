@@ -193,9 +193,10 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kfac-curvature",
-        choices=("mc", "empirical"),
+        choices=("mc", "type2", "empirical"),
         default="mc",
-        help="optimizer kfac: G from sampled targets (mc) or the true loss (default: mc)",
+        help="optimizer kfac: G from sampled targets (mc), their expectation (type2: one "
+        "backward pass per output column, at most 128) or the true loss (default: mc)",
     )
     group.add_argument(
         "--kfac-jvp", choices=("forward", "double_backward"), default=None,

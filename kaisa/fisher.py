@@ -1,0 +1,98 @@
+"""The backward passes that record :class:`kaisa.KFAC`'s G from the predictive distribution.
+
+``curvature='mc'``: one pass per Monte-Carlo sample of the loss at targets drawn by
+:meth:`kaisa.losses.Loss.sample_targets`. ``curvature='type2'``: one pass per column of
+:meth:`kaisa.losses.Loss.fisher_sqrt`, the output gradients whose outer products sum to
+the sampled gradients' covariance, so that G is the Monte-Carlo estimate's expectation
+where each row of a block's output gradient depends on one position
+(``docs/conventions.md``, "Where ``kaisa.KFAC``'s G comes from", has the definitions and
+the scalars). Each pass runs inside the core's
+:meth:`~kaisa.curvature.KFACCurvature.output_gradients` scope, which records it with
+the Fisher scale; the first pass can also build the quadratic model's ``J^T``
+(``jvp='double_backward'``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from kaisa import quadratic
+from kaisa.curvature import KFACCurvature
+from kaisa.losses import Loss
+from kaisa.optimizer_config import TYPE2_MAX_COLUMNS, Curvature
+
+__all__ = ["record_g"]
+
+
+def record_g(
+    source: Curvature,
+    curvature: KFACCurvature,
+    loss: Loss,
+    outputs: torch.Tensor,
+    *,
+    params: list[torch.Tensor],
+    covered: list[torch.Tensor],
+    samples: int,
+    generator: torch.Generator,
+    divisor: float | torch.Tensor,
+    scaled: Callable[[torch.Tensor], torch.Tensor],
+    linearize: bool,
+) -> quadratic.Linearization | None:
+    """Runs the backward passes of ``source`` (``MC`` or ``TYPE2``) that record G.
+
+    Args:
+        source: ``Curvature.MC`` or ``Curvature.TYPE2``.
+        curvature: The core whose hooks record the passes.
+        loss: The declared loss.
+        outputs: The model outputs, with the training forward's graph (kept).
+        params: The parameters the passes differentiate (their ``.grad`` is untouched).
+        covered: The parameters the quadratic model's ``J^T`` is built over.
+        samples: Monte-Carlo samples (``MC``).
+        generator: The target sampler's generator (``MC``).
+        divisor: The Fisher scale times the loss scale (the recorder divides by it).
+        scaled: Multiplies by the loss scale.
+        linearize: Make the first pass the create-graph pass of ``J^T``.
+
+    Returns:
+        The linearisation built by the first pass, or ``None`` unless ``linearize``.
+
+    Raises:
+        ValueError: With ``TYPE2``, when the outputs' last dimension (the passes) exceeds
+            :data:`~kaisa.optimizer_config.TYPE2_MAX_COLUMNS`.
+    """
+    linearization: quadratic.Linearization | None = None
+    if source is Curvature.MC:
+        with curvature.output_gradients(passes=samples, divisor=divisor):
+            for sample in range(samples):
+                targets = loss.sample_targets(outputs, generator)
+                if sample == 0 and linearize:
+                    # this pass records G and builds J^T for the quadratic model;
+                    # the seed is taken off the graph (no layer hook fires twice)
+                    free = outputs.detach().requires_grad_(True)
+                    (seed,) = torch.autograd.grad(scaled(loss(free, targets)), free)
+                    linearization = quadratic.Linearization(outputs, covered, seed)
+                else:
+                    torch.autograd.grad(scaled(loss(outputs, targets)), params,
+                                        retain_graph=True, allow_unused=True)
+        return linearization
+    columns = loss.fisher_sqrt(outputs)
+    count = int(columns.shape[0])
+    if count > TYPE2_MAX_COLUMNS:
+        raise ValueError(
+            f"curvature='type2' runs one backward pass per output column: outputs of shape "
+            f"{tuple(outputs.shape)} need {count}, more than {TYPE2_MAX_COLUMNS} "
+            f"(TYPE2_MAX_COLUMNS); use curvature='mc' (mc_samples sets its cost)"
+        )
+    # the recorder averages over the passes: K times each pass's G sums them
+    with curvature.output_gradients(passes=count, divisor=divisor / math.sqrt(count)):
+        for index in range(count):
+            seed = scaled(columns[index])
+            if index == 0 and linearize:
+                linearization = quadratic.Linearization(outputs, covered, seed)
+            else:
+                torch.autograd.grad(outputs, params, grad_outputs=seed, retain_graph=True,
+                                    allow_unused=True)
+    return linearization
