@@ -67,8 +67,12 @@ class EmbeddingBlock(CurvatureBlock):
     def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
         """``c / M`` as ``(1, V)`` from the indices ``x`` (any shape), in the weight's dtype."""
         dtype = self.factor_dtype or working_dtype(self.weight.dtype)
-        counts = torch.bincount(x.reshape(-1), minlength=self.dims[0]).to(dtype)
-        return (counts / max(x.numel(), 1)).unsqueeze(0)
+        # exact integer counts, a static shape (no graph break under torch.compile, unlike
+        # bincount) and deterministic on CUDA
+        idx = x.reshape(-1).long()
+        counts = torch.zeros(self.dims[0], dtype=torch.int64, device=x.device)
+        counts.index_add_(0, idx, torch.ones_like(idx))
+        return (counts.to(dtype) / max(x.numel(), 1)).unsqueeze(0)
 
     def compute_g_batch(
         self, grad_output: torch.Tensor, loss_scale: float | torch.Tensor
