@@ -86,7 +86,8 @@ class KFACConfig:
             default) or ``'reduce'`` (one row per example; Eschenhagen et al., 2023).
         layer_kinds: The block kinds to register: kfac-pytorch's ``('linear', 'conv2d')``
             by default (the reference's math), ``'all'`` for every kind (adds
-            ``'conv1d'`` and ``'scale_shift'``: LayerNorm, RMSNorm, BatchNorm affine), or
+            ``'conv1d'``, ``'embedding'`` and ``'scale_shift'``: LayerNorm, RMSNorm,
+            BatchNorm affine), or
             a tuple of kind names; stored as a tuple.
         loglevel: Logging level of the informational messages.
         collective_timeout: Seconds a K-FAC collective (factor averages, decomposition

@@ -114,7 +114,7 @@ class KFACCurvature:
             timings=self._timings,
         )
         for f in self.factor_sizes():
-            if f.dim > LARGE_FACTOR_DIM:
+            if f.dim > LARGE_FACTOR_DIM and not f.diagonal:
                 warnings.warn(_large_factor_message(f), RuntimeWarning, stacklevel=stacklevel + 1)
         logger.log(
             config.loglevel,

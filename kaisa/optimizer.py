@@ -59,8 +59,9 @@ class KFAC(torch.optim.Optimizer):
     """K-FAC optimizer (see the module docstring for the algorithm).
 
     Args:
-        model: The model; its blocks (``layer_kinds``: Linear, Conv2d, Conv1d by default)
-            are preconditioned, every other trainable parameter follows ``first_order``.
+        model: The model; its blocks (``layer_kinds``: Linear, Conv2d, Conv1d, Embedding by
+            default) are preconditioned, every other trainable parameter follows
+            ``first_order``.
         loss: ``'mse'`` or ``'cross_entropy'`` (``torch.nn.functional``'s).
         reduction: ``'mean'`` or ``'sum'``.
         curvature: ``'mc'`` (sampled targets, the default), ``'type2'`` (their

@@ -14,6 +14,7 @@ from kaisa.blocks import (
     BatchStatistics,
     Conv1dBlock,
     Conv2dBlock,
+    EmbeddingBlock,
     LinearBlock,
     RunningFactors,
     ScaleShiftBlock,
@@ -33,7 +34,8 @@ class _Net(nn.Module):
 
 
 def test_registry_picks_kinds_skips_frozen_unsupported_and_patterns() -> None:
-    assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock, Conv1dBlock, ScaleShiftBlock]
+    assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock,
+                                 ScaleShiftBlock]
     with pytest.warns(RuntimeWarning, match=r"'circ'.*padding_mode='circular'"):
         layers = register_blocks(_Net())
     assert {n: type(la) for n, la in layers.items()} == {

@@ -112,7 +112,7 @@ def test_first_order_rule_is_configurable_and_resumes_bit_exactly() -> None:
     with pytest.raises(ValueError, match="first_order must be a callable"):
         kaisa.KFAC(_Net(), loss="cross_entropy", first_order="adamw")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="layer_kinds must be"):
-        kaisa.KFACPreconditioner(_Net(), layer_kinds=("linear", "embedding"))
+        kaisa.KFACPreconditioner(_Net(), layer_kinds=("linear", "lstm"))
 
 
 def test_fixed_lr_steps_every_parameter_with_sgd() -> None:

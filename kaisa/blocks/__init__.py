@@ -15,6 +15,7 @@ from torch import nn
 
 from kaisa.blocks.base import BatchStatistics, CurvatureBlock, KFACLayer, RunningFactors
 from kaisa.blocks.conv2d import Conv1dBlock, Conv2dBlock
+from kaisa.blocks.embedding import EmbeddingBlock
 from kaisa.blocks.linear import LinearBlock
 from kaisa.blocks.preconditioned import Preconditioned
 from kaisa.blocks.scale_shift import ScaleShiftBlock
@@ -26,6 +27,7 @@ __all__ = [
     "Conv1dBlock",
     "Conv2dBlock",
     "CurvatureBlock",
+    "EmbeddingBlock",
     "KFACLayer",
     "LinearBlock",
     "Preconditioned",
@@ -36,7 +38,7 @@ __all__ = [
 
 #: Block kinds, tried in order with ``isinstance``.
 BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (
-    LinearBlock, Conv2dBlock, Conv1dBlock, ScaleShiftBlock,
+    LinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock, ScaleShiftBlock,
 )
 
 
@@ -59,8 +61,16 @@ def register_blocks(
 
     Returns:
         ``name -> block`` in model order. Unsupported variants of a known module type
-        are skipped with a warning that says why.
+        are skipped with a warning that says why. A module of a kind that does not
+        cover tied weights (:attr:`~CurvatureBlock.covers_tied`: embeddings) whose weight
+        another module also holds is skipped: that module's block covers the weight, or,
+        when none does, it is first-order with a warning.
     """
+    users: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            users.setdefault(id(p), []).append(name)
+    tied: dict[str, tuple[int, list[str]]] = {}  # name -> (weight id, its other users)
     blocks: dict[str, CurvatureBlock] = {}
     for name, module in model.named_modules():
         kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
@@ -80,6 +90,18 @@ def register_blocks(
                 f"kaisa: not registering {name!r}: {reason}", RuntimeWarning, stacklevel=3
             )
             continue
+        others = [n for n in users.get(id(params[0]), []) if n != name]
+        if others and not kind.covers_tied:
+            tied[name] = (id(params[0]), others)
+            continue
         blocks[name] = kind(name=name, module=module, factor_dtype=factor_dtype,
                             kfac_approx=kfac_approx)
+    covered = {id(p) for block in blocks.values() for p in block.parameters()}
+    for name, (weight, others) in tied.items():
+        if weight not in covered:
+            warnings.warn(
+                f"kaisa: not registering {name!r}: its weight is tied to {others} (a tied "
+                "weight is one block over every use, not defined for this kind yet); it is "
+                "first-order", RuntimeWarning, stacklevel=3,
+            )
     return blocks

@@ -14,8 +14,9 @@ separate pieces of state:
   per-micro-batch factor sums, or the raw inputs / output gradients when factors are
   computed in ``step()``;
 * :class:`RunningFactors` (``layer.factors``): the running averages ``A`` and ``G``
-  (``(groups, n, n)``, starting from the identity) and the count of non-finite batch
-  factors that were skipped;
+  (``(groups, n, n)``, starting from the identity; a *diagonal side*
+  (:attr:`CurvatureBlock.diagonal_sides`) is kept as its diagonal ``(groups, n)``,
+  starting from ones) and the count of non-finite batch factors that were skipped;
 * ``layer.decomposition``: the second-order method's state (a ``dict`` of tensors, see
   :mod:`kaisa.methods`); the layer never interprets it.
 
@@ -101,15 +102,18 @@ class RunningFactors:
     g: torch.Tensor | None = None
     skipped_a: torch.Tensor | None = None  # 0-d counts: no host synchronisation
     skipped_g: torch.Tensor | None = None
-    #: Diagonal statistics (scale-and-shift blocks) start from ones, not the identity.
-    diagonal: bool = False
+    #: Sides kept as diagonals (start from ones, not the identity).
+    diagonal_sides: frozenset[Side] = frozenset()
 
     def fold(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, rho: float) -> None:
         """Folds batch factors in; a non-finite batch is skipped (and counted)."""
+        diagonal = self.diagonal_sides
         if a_batch is not None:
-            self.a, self.skipped_a = _fold(self.a, a_batch, rho, self.skipped_a, self.diagonal)
+            self.a, self.skipped_a = _fold(self.a, a_batch, rho, self.skipped_a,
+                                           Side.A in diagonal)
         if g_batch is not None:
-            self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g, self.diagonal)
+            self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g,
+                                           Side.G in diagonal)
 
     @property
     def skipped(self) -> int:
@@ -144,6 +148,17 @@ class CurvatureBlock:
     #: Diagonal curvature (no Kronecker factors, no decomposition): preconditioned on
     #: every rank by :meth:`precondition_diagonal`.
     diagonal: ClassVar[bool] = False
+    #: The sides of the Kronecker block whose factor is diagonal: such a factor is
+    #: recorded, averaged over ranks, running-averaged (from ones), decomposed, sent and
+    #: checkpointed as its diagonal ``(groups, n)``, never as an ``n x n`` matrix, and the
+    #: second-order method applies it without eigenvectors (``docs/conventions.md``). A
+    #: kind declares it (an instance may set its own in :meth:`setup`, e.g. dense or
+    #: diagonal by size). Read it through :meth:`is_diagonal`.
+    diagonal_sides: frozenset[Side] = frozenset()
+    #: Whether the kind registers a module whose weight another module also uses (tied):
+    #: ``False`` leaves such a weight to the other module's block (see
+    #: :func:`kaisa.blocks.register_blocks`).
+    covers_tied: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -160,10 +175,10 @@ class CurvatureBlock:
         self.groups = 1
         self.has_bias = getattr(module, "bias", None) is not None
         self.stats = BatchStatistics()
-        self.factors = RunningFactors(diagonal=self.diagonal)
         self.decomposition: dict[str, torch.Tensor] = {}
         self.method: SecondOrderMethod | None = None
         self.setup()
+        self.factors = RunningFactors(diagonal_sides=self.diagonal_sides)
 
     def setup(self) -> None:
         """What a kind derives from its module at construction (default: nothing)."""
@@ -198,30 +213,40 @@ class CurvatureBlock:
         weight = self.weight
         return weight[0].numel() + int(self.has_bias), weight.shape[0] // self.groups
 
-    def factor_shape(self, side: Side) -> tuple[int, int, int]:
-        """``(groups, n, n)`` of the ``side`` factor."""
+    def is_diagonal(self, side: Side) -> bool:
+        """Whether the ``side`` factor is kept as its diagonal."""
+        return side in self.diagonal_sides
+
+    def factor_shape(self, side: Side) -> tuple[int, ...]:
+        """``(groups, n, n)`` of the ``side`` factor, ``(groups, n)`` for a diagonal one."""
         n = self.dims[0 if side is Side.A else 1]
-        return self.groups, n, n
+        return (self.groups, n) if self.is_diagonal(side) else (self.groups, n, n)
 
     # ------------------------------------------------------------------ public views
     @property
     def a(self) -> torch.Tensor | None:
-        """Running A factors ``(groups, n, n)``."""
+        """Running A factors ``(groups, n, n)`` (``(groups, n)`` when diagonal)."""
         return self.factors.a
 
     @property
     def g(self) -> torch.Tensor | None:
-        """Running G factors ``(groups, m, m)``."""
+        """Running G factors ``(groups, m, m)`` (``(groups, m)`` when diagonal)."""
         return self.factors.g
 
     @property
     def a_factor(self) -> torch.Tensor | None:
-        """Running A factor: ``(n, n)``, or ``(groups, n, n)`` for grouped convolutions."""
+        """Running A factor: ``(n, n)``, or ``(groups, n, n)`` for grouped convolutions.
+
+        A diagonal factor is its diagonal: ``(n,)``, or ``(groups, n)``.
+        """
         return self._view(self.factors.a)
 
     @property
     def g_factor(self) -> torch.Tensor | None:
-        """Running G factor: ``(m, m)``, or ``(groups, m, m)`` for grouped convolutions."""
+        """Running G factor: ``(m, m)``, or ``(groups, m, m)`` for grouped convolutions.
+
+        A diagonal factor is its diagonal: ``(m,)``, or ``(groups, m)``.
+        """
         return self._view(self.factors.g)
 
     def _view(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -231,7 +256,8 @@ class CurvatureBlock:
 
     def has_decomposition(self) -> bool:
         """Whether the layer holds what its method needs to precondition."""
-        return self.method is not None and self.method.ready(self.decomposition)
+        return self.method is not None and self.method.ready(
+            self.decomposition, diagonal=self.diagonal_sides)
 
     def __getattr__(self, key: str) -> Any:
         # Decomposition entries read as attributes (``layer.qa``, ``layer.a_inv``, ...);
@@ -348,7 +374,8 @@ class CurvatureBlock:
         shapes: dict[str, tuple[int, ...]] = {
             "A": self.factor_shape(Side.A), "G": self.factor_shape(Side.G)}
         if self.method is not None:
-            shapes.update(self.method.state_shapes(self.groups, a_dim, g_dim))
+            shapes.update(self.method.state_shapes(self.groups, a_dim, g_dim,
+                                                   diagonal=self.diagonal_sides))
         unknown = sorted(str(k) for k in state if k not in shapes and k not in _FACTOR_KEYS)
         if unknown:
             raise ValueError(f"{where} has unexpected entries {unknown} (expected some of "
@@ -385,7 +412,7 @@ class CurvatureBlock:
             return None if t is None else t.to(device).clone()
 
         self.factors = RunningFactors(get("A"), get("G"), get("skipped_a"), get("skipped_g"),
-                                      diagonal=self.diagonal)
+                                      diagonal_sides=self.diagonal_sides)
         self.decomposition = {
             key: t.to(device).clone()
             for key, t in state.items()

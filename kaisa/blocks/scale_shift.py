@@ -37,6 +37,8 @@ class ScaleShiftBlock(CurvatureBlock):
     )
     kind = "scale_shift"
     diagonal = True
+    #: The statistics in the G slot are diagonal (start from ones, averaged unpacked).
+    diagonal_sides = frozenset({Side.G})
 
     @property
     def dims(self) -> tuple[int, int]:

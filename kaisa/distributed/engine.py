@@ -15,7 +15,9 @@ code runs with no communication. At fixed points of a step it
 
 It moves payloads; the math is the second-order method's
 (:class:`~kaisa.methods.SecondOrderMethod`), the statistics are the hooks'
-(:mod:`kaisa.hooks`).
+(:mod:`kaisa.hooks`). A block's diagonal sides
+(:attr:`~kaisa.blocks.CurvatureBlock.diagonal_sides`) travel as vectors (never packed as
+triangles), and the method is told which sides are diagonal at every call.
 """
 
 from __future__ import annotations
@@ -103,10 +105,12 @@ class DistributedEngine:
             "itemsize": config.factor_dtype.itemsize,
             "inv_itemsize": config.inv_dtype.itemsize,
             "layer_groups": {name: layer.groups for name, layer in kron.items()},
+            "diagonal_sides": {name: layer.diagonal_sides for name, layer in kron.items()},
         }
         self._grid = WorkerGrid(self._world, self._resolve_grad_workers())
         self._placement = place_layers(
-            self._layer_dims, self._grid, config.assignment_strategy, config.colocate_factors
+            self._layer_dims, self._grid, config.assignment_strategy, config.colocate_factors,
+            self._sizes["diagonal_sides"],
         )
         timeout = config.collective_timeout
         self._comm: Communicator = communicator or make_communicator(
@@ -211,10 +215,11 @@ class DistributedEngine:
         if layer.name in self._pending_factors or not layer.stats.has_factors:
             return
         a_batch, g_batch = layer.stats.take()
-        sym = self._config.symmetry_aware and not layer.diagonal
+        sym = self._config.symmetry_aware  # diagonal sides (scale-shift's G too) unpacked
+        sym_a, sym_g = (sym and not layer.is_diagonal(side) for side in (Side.A, Side.G))
         self._pending_factors[layer.name] = (
-            None if a_batch is None else self._comm.allreduce_mean(a_batch, symmetric=sym),
-            None if g_batch is None else self._comm.allreduce_mean(g_batch, symmetric=sym),
+            None if a_batch is None else self._comm.allreduce_mean(a_batch, symmetric=sym_a),
+            None if g_batch is None else self._comm.allreduce_mean(g_batch, symmetric=sym_g),
         )
 
     def backward_end(self) -> None:
@@ -268,9 +273,10 @@ class DistributedEngine:
                 continue
             for side, src in ((Side.A, lp.a_rank), (Side.G, lp.g_rank)):
                 tensors = self._payload(la, side, src, computed)
+                flags = self._method.payload_symmetric(diagonal=la.is_diagonal(side))
                 handles = [
                     self._comm.broadcast(t, src, lp.grad_workers, symmetric=sym and flag)
-                    for t, flag in zip(tensors, self._method.symmetric, strict=True)
+                    for t, flag in zip(tensors, flags, strict=True)
                 ]
                 pending.append((la, side, src, handles))
         self._comm.flush()
@@ -288,7 +294,7 @@ class DistributedEngine:
             if (la.name, Side.A) in received:
                 self._method.install(
                     la.decomposition, received[(la.name, Side.A)], received[(la.name, Side.G)],
-                    damping=damping,
+                    damping=damping, diagonal=la.diagonal_sides,
                 )
 
     def _decompose_assigned(
@@ -301,7 +307,8 @@ class DistributedEngine:
             if self._rank not in (lp.a_rank, lp.g_rank):
                 continue
             assert la.a is not None and la.g is not None
-            damping_a, damping_g = self._method.factor_damping(la.a, la.g, damping)
+            damping_a, damping_g = self._method.factor_damping(
+                la.a, la.g, damping, diagonal=la.diagonal_sides)
             if lp.a_rank == self._rank:
                 mine.append((la, Side.A, damping_a))
             if lp.g_rank == self._rank:
@@ -313,13 +320,15 @@ class DistributedEngine:
             damping=[d for _, _, d in mine],
             inv_dtype=self._config.inv_dtype,
             names=[f"{la.name}.{side.value}" for la, side, _ in mine],
+            diagonal=[la.is_diagonal(side) for la, side, _ in mine],
         )
         return {
-            (la.name, side): None if res is None else self._as_received(res)
+            (la.name, side): None if res is None else self._as_received(
+                res, diagonal=la.is_diagonal(side))
             for (la, side, _), res in zip(mine, results, strict=True)
         }
 
-    def _as_received(self, payload: Payload) -> Payload:
+    def _as_received(self, payload: Payload, *, diagonal: bool) -> Payload:
         """Exactly what receivers rebuild from ``payload`` (same values, contiguous).
 
         Every gradient worker then preconditions bit for bit alike (matmul rounding
@@ -327,7 +336,8 @@ class DistributedEngine:
         """
         sym = self._config.symmetry_aware
         out = []
-        for t, flag in zip(payload, self._method.symmetric, strict=True):
+        flags = self._method.payload_symmetric(diagonal=diagonal)
+        for t, flag in zip(payload, flags, strict=True):
             if sym and flag:
                 t = unpack_symmetric(pack_symmetric(t), t.shape[-1])
             out.append(t.contiguous())
@@ -340,11 +350,13 @@ class DistributedEngine:
         """Tensors broadcast for one factor: the data on ``src``, buffers elsewhere."""
         factor = layer.a if side is Side.A else layer.g
         assert factor is not None
-        shapes = self._method.payload_shapes(factor.shape[0], factor.shape[-1])
+        diagonal = layer.is_diagonal(side)
+        shapes = self._method.payload_shapes(factor.shape[0], factor.shape[-1], diagonal=diagonal)
         dtype, device = self._config.inv_dtype, factor.device
         if src != self._rank:
             return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
-        payload = computed[(layer.name, side)] or self._method.stored(layer.decomposition, side)
+        payload = computed[(layer.name, side)] or self._method.stored(
+            layer.decomposition, side, diagonal=layer.diagonal_sides)
         if payload is not None:
             return payload
         return [torch.full(s, float("nan"), dtype=dtype, device=device) for s in shapes]
@@ -377,7 +389,8 @@ class DistributedEngine:
                 continue
             lp = self._placement[layer.name]
             if rank in lp.grad_workers:
-                precond = method.precondition(layer.decomposition, grad, damping)
+                precond = method.precondition(layer.decomposition, grad, damping,
+                                              diagonal=layer.diagonal_sides)
                 if not lp.grad_receivers[rank]:
                     if precond is not None:
                         slots.append(Preconditioned(layer, grad, precond))

@@ -2,8 +2,9 @@
 
 The model counts, for every rank, the bytes of
 
-* ``factors``: the running A and G factors; every rank keeps all of them
-  because every rank takes part in the factor allreduce;
+* ``factors``: the running A and G factors (``n`` elements for a diagonal factor,
+  ``n^2`` for a dense one); every rank keeps all of them because every rank takes part
+  in the factor allreduce;
 * ``decompositions``: eigenvectors and eigenvalues (``'eigen'``) or inverses
   (``'inverse'``) of the layers for which the rank is a gradient worker;
 * ``buffers``: the per-step batch factors held until the asynchronous
@@ -24,7 +25,7 @@ from fractions import Fraction
 from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.strategy import WorkerGrid, valid_fractions
 from kaisa.enums import AssignmentStrategy, ComputeMethod, Side, parse_enum
-from kaisa.methods import SecondOrderMethod, make_method
+from kaisa.methods import DENSE, Diagonal, SecondOrderMethod, make_method
 
 __all__ = [
     "LARGE_FACTOR_DIM",
@@ -38,8 +39,9 @@ __all__ = [
 
 _MB = 1024 * 1024
 
-#: Factors larger than this (per side) are reported at registration: their decomposition
-#: dominates a step (8193 x 8193 is ~5 TFLOP per eigendecomposition).
+#: Dense factors larger than this (per side) are reported at registration: their
+#: decomposition dominates a step (8193 x 8193 is ~5 TFLOP per eigendecomposition).
+#: A diagonal factor of any size is not.
 LARGE_FACTOR_DIM = 8192
 
 
@@ -54,6 +56,7 @@ class FactorSize:
         blocks: Kronecker blocks (convolution groups).
         nbytes: Bytes of the running factor, the batch factor and the decomposition.
         gflop: Billions of floating-point operations per decomposition.
+        diagonal: Whether the factor is kept as its diagonal.
     """
 
     layer: str
@@ -62,6 +65,12 @@ class FactorSize:
     blocks: int
     nbytes: int
     gflop: float
+    diagonal: bool = False
+
+
+def _factor_numel(n: int, diagonal: bool) -> int:
+    """Elements of one running (or batch) factor block."""
+    return n if diagonal else n * n
 
 
 def factor_sizes(
@@ -71,6 +80,7 @@ def factor_sizes(
     itemsize: int = 4,
     inv_itemsize: int = 4,
     layer_groups: Mapping[str, int] | None = None,
+    diagonal_sides: Mapping[str, Diagonal] | None = None,
 ) -> list[FactorSize]:
     """Every factor's memory and decomposition cost, largest first.
 
@@ -80,18 +90,23 @@ def factor_sizes(
         itemsize: Bytes per factor element.
         inv_itemsize: Bytes per decomposition element.
         layer_groups: Kronecker blocks per layer (default 1).
+        diagonal_sides: The sides each layer keeps as diagonals (default none).
 
     Returns:
         One entry per factor, sorted by dimension, largest first.
     """
     groups = dict(layer_groups or {})
+    diagonal = dict(diagonal_sides or {})
     out = []
     for name, (a_dim, g_dim) in layer_dims.items():
         blocks = groups.get(name, 1)
         for side, n in ((Side.A, a_dim), (Side.G, g_dim)):
-            per_block = 2 * n * n * itemsize + method.numel(n, 0) * inv_itemsize
-            gflop = blocks * method.decompose_flops(n) / 1e9
-            out.append(FactorSize(name, side, n, blocks, blocks * per_block, gflop))
+            diag = side in diagonal.get(name, DENSE)
+            # one side's decomposition: as the A side of a block with an empty G side
+            stored = method.numel(n, 0, diagonal=frozenset({Side.A}) if diag else DENSE)
+            per_block = 2 * _factor_numel(n, diag) * itemsize + stored * inv_itemsize
+            gflop = blocks * method.decompose_flops(n, diagonal=diag) / 1e9
+            out.append(FactorSize(name, side, n, blocks, blocks * per_block, gflop, diag))
     return sorted(out, key=lambda f: (-f.dim, f.layer, f.side.value))
 
 
@@ -151,6 +166,7 @@ def estimate_memory(
     layer_groups: Mapping[str, int] | None = None,
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
+    diagonal_sides: Mapping[str, Diagonal] | None = None,
 ) -> MemoryEstimate:
     """Models every rank's K-FAC memory for one grid.
 
@@ -170,6 +186,8 @@ def estimate_memory(
         assignment_strategy: Placement cost model (see
             :func:`~kaisa.distributed.placement.place_layers`).
         colocate_factors: Placement option.
+        diagonal_sides: The sides each layer keeps as diagonals (``n`` elements, not
+            ``n^2``); missing layers have none.
 
     Returns:
         The estimate.
@@ -179,8 +197,13 @@ def estimate_memory(
         kind = parse_enum(ComputeMethod, compute_method, "compute_method")
         method = make_method(kind, outer_product=outer_product)
     groups = dict(layer_groups or {})
-    placement = place_layers(layer_dims, grid, assignment_strategy, colocate_factors)
-    factor_numel = sum(groups.get(name, 1) * (a * a + g * g) for name, (a, g) in layer_dims.items())
+    diagonal = dict(diagonal_sides or {})
+    placement = place_layers(layer_dims, grid, assignment_strategy, colocate_factors, diagonal)
+    factor_numel = sum(
+        groups.get(name, 1) * (_factor_numel(a, Side.A in diagonal.get(name, DENSE))
+                               + _factor_numel(g, Side.G in diagonal.get(name, DENSE)))
+        for name, (a, g) in layer_dims.items()
+    )
     per_rank: list[dict[str, int]] = []
     for rank in range(grid.world_size):
         decomp = 0
@@ -188,7 +211,8 @@ def estimate_memory(
         for lp in placement.layers.values():
             blocks = groups.get(lp.name, 1)
             if lp.is_grad_worker(rank):
-                decomp += blocks * method.numel(lp.a_dim, lp.g_dim)
+                decomp += blocks * method.numel(lp.a_dim, lp.g_dim,
+                                                diagonal=diagonal.get(lp.name, DENSE))
             else:
                 # Received preconditioned gradient plus its validity flag.
                 received += blocks * lp.a_dim * lp.g_dim + 1

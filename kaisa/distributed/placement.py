@@ -1,7 +1,8 @@
 """Longest-processing-time placement of K-FAC decompositions on ranks.
 
 Layers are sorted by cost (``n^3`` per factor for ``assignment_strategy =
-'compute'``, ``n^2`` for ``'memory'``; ``n`` is the factor dimension) and each
+'compute'``, ``n^2`` for ``'memory'``, ``n`` for a diagonal factor under either; ``n`` is
+the factor dimension) and each
 is given, in that order, to the least-loaded gradient-worker group, and inside
 it to the least-loaded rank. With ``colocate_factors=False`` the A and G
 decompositions of one layer go to two different ranks of the group (when the
@@ -19,17 +20,22 @@ from kaisa.enums import AssignmentStrategy, Side, parse_enum
 __all__ = ["LayerPlacement", "Placement", "factor_cost", "place_layers"]
 
 
-def factor_cost(dim: int, assignment_strategy: AssignmentStrategy | str) -> float:
+def factor_cost(
+    dim: int, assignment_strategy: AssignmentStrategy | str, diagonal: bool = False
+) -> float:
     """Cost of decomposing one ``dim x dim`` factor.
 
     Args:
         dim: Factor dimension ``n``.
         assignment_strategy: ``COMPUTE`` (``n^3``) or ``MEMORY`` (``n^2``), or the name.
+        diagonal: The factor is kept as its diagonal: ``n`` under either strategy.
 
     Returns:
         The cost.
     """
     strategy = parse_enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
+    if diagonal:
+        return float(dim)
     return float(dim) ** (3 if strategy is AssignmentStrategy.COMPUTE else 2)
 
 
@@ -143,6 +149,7 @@ def place_layers(
     grid: WorkerGrid,
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
+    diagonal_sides: Mapping[str, frozenset[Side]] | None = None,
 ) -> Placement:
     """Assigns every layer's decompositions with the LPT greedy heuristic.
 
@@ -155,6 +162,8 @@ def place_layers(
         colocate_factors: If ``False`` the A and G decompositions of a layer
             are computed by two different ranks of its worker group (when the
             group has at least two ranks).
+        diagonal_sides: The sides each layer keeps as diagonals (cost ``n``); missing
+            layers have none.
 
     Returns:
         The placement. It is a deterministic function of the arguments, so
@@ -172,25 +181,23 @@ def place_layers(
         AssignmentStrategy, assignment_strategy, "assignment_strategy"
     )
 
+    diagonal = dict(diagonal_sides or {})
+    costs = [
+        (
+            factor_cost(a, assignment_strategy, Side.A in diagonal.get(name, ())),
+            factor_cost(g, assignment_strategy, Side.G in diagonal.get(name, ())),
+        )
+        for name, a, g in items
+    ]
     groups = grid.worker_groups()
     receiver_groups = grid.receiver_groups()
     rank_load = [0.0] * grid.world_size
     group_load = [0.0] * len(groups)
-    order = sorted(
-        range(len(items)),
-        key=lambda i: (
-            -(
-                factor_cost(items[i][1], assignment_strategy)
-                + factor_cost(items[i][2], assignment_strategy)
-            ),
-            i,
-        ),
-    )
+    order = sorted(range(len(items)), key=lambda i: (-(costs[i][0] + costs[i][1]), i))
     placed: dict[str, LayerPlacement] = {}
     for i in order:
         name, a_dim, g_dim = items[i]
-        a_cost = factor_cost(a_dim, assignment_strategy)
-        g_cost = factor_cost(g_dim, assignment_strategy)
+        a_cost, g_cost = costs[i]
         gi = min(range(len(groups)), key=lambda k: (group_load[k], k))
         group = groups[gi]
         group_load[gi] += a_cost + g_cost

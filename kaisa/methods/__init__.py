@@ -10,13 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kaisa.enums import ComputeMethod
-from kaisa.methods.base import Damping, Payload, SecondOrderMethod, State
+from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
 from kaisa.methods.eigen import EigenMethod
 from kaisa.methods.inverse import InverseMethod, PiInverseMethod
 
 __all__ = [
+    "DENSE",
     "METHODS",
     "Damping",
+    "Diagonal",
     "EigenMethod",
     "InverseMethod",
     "Payload",

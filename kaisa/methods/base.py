@@ -15,19 +15,32 @@ A method owns everything that depends on *how* a layer's Kronecker factors are i
 The distributed engine only moves payloads; it never looks inside them. A layer's state
 is a plain ``dict[str, Tensor]`` keyed by :attr:`SecondOrderMethod.state_keys` (the
 checkpoint keys).
+
+Diagonal sides: a block may keep a factor as its diagonal ``(blocks, n)``
+(:attr:`kaisa.blocks.CurvatureBlock.diagonal_sides`). Every method call that depends on
+it takes it: per factor ``diagonal: bool`` (:meth:`~SecondOrderMethod.decompose`,
+:meth:`~SecondOrderMethod.payload_shapes`, :meth:`~SecondOrderMethod.payload_symmetric`,
+:meth:`~SecondOrderMethod.decompose_flops`), per block ``diagonal: Diagonal``, the set of
+diagonal sides (the rest). A method decomposes a diagonal side in
+:meth:`~SecondOrderMethod.decompose_diagonal` (elementwise, no eigenvectors) and applies it
+without a rotation; the dense path is untouched when no side is diagonal.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Sequence
 from typing import TypeAlias
 
 import torch
 
 from kaisa.enums import Side
+from kaisa.finite import all_finite
 
-__all__ = ["Damping", "Payload", "SecondOrderMethod", "State"]
+logger = logging.getLogger("kaisa")
+
+__all__ = ["DENSE", "Damping", "Diagonal", "Payload", "SecondOrderMethod", "State"]
 
 #: Tensors computed for one factor (e.g. ``[eigenvectors, eigenvalues]``).
 Payload: TypeAlias = list[torch.Tensor]
@@ -35,6 +48,10 @@ Payload: TypeAlias = list[torch.Tensor]
 State: TypeAlias = dict[str, torch.Tensor]
 #: Damping added to one factor batch: a number, or one value per block ``(blocks,)``.
 Damping: TypeAlias = float | torch.Tensor
+#: The sides of a block kept as diagonals ``(blocks, n)``.
+Diagonal: TypeAlias = frozenset[Side]
+#: No diagonal side: both factors are ``(blocks, n, n)`` matrices.
+DENSE: Diagonal = frozenset()
 
 
 class SecondOrderMethod(abc.ABC):
@@ -46,7 +63,6 @@ class SecondOrderMethod(abc.ABC):
     #: when ``symmetry_aware``).
     symmetric: tuple[bool, ...]
 
-    @abc.abstractmethod
     def decompose(
         self,
         factors: Sequence[torch.Tensor],
@@ -54,60 +70,117 @@ class SecondOrderMethod(abc.ABC):
         damping: Sequence[Damping],
         inv_dtype: torch.dtype,
         names: Sequence[str],
+        diagonal: Sequence[bool] | None = None,
     ) -> list[Payload | None]:
-        """Decomposes factor batches ``(blocks, n, n)``; ``None`` marks a failure.
+        """Decomposes factor batches; ``None`` marks a failure.
+
+        Dense factors ``(blocks, n, n)`` go to :meth:`decompose_dense` in one call;
+        diagonal ones ``(blocks, n)`` to :meth:`decompose_diagonal`, and a non-finite
+        diagonal result is a failure (one host synchronisation for all of them).
 
         Args:
             factors: The running factors to decompose.
             damping: Per factor, what :meth:`factor_damping` gave for it.
             inv_dtype: Storage dtype of the results.
             names: One name per factor, for warnings.
+            diagonal: Per factor, whether it is a diagonal (default: none is).
 
         Returns:
             One payload (or ``None``) per factor.
         """
+        flags = [False] * len(factors) if diagonal is None else list(diagonal)
+        if not any(flags):
+            return self.decompose_dense(factors, damping=damping, inv_dtype=inv_dtype,
+                                        names=names)
+        out: list[Payload | None] = [None] * len(factors)
+        dense = [i for i, flag in enumerate(flags) if not flag]
+        if dense:
+            results = self.decompose_dense(
+                [factors[i] for i in dense], damping=[damping[i] for i in dense],
+                inv_dtype=inv_dtype, names=[names[i] for i in dense],
+            )
+            for i, res in zip(dense, results, strict=True):
+                out[i] = res
+        diag = [i for i, flag in enumerate(flags) if flag]
+        payloads = [self.decompose_diagonal(factors[i], damping[i], inv_dtype) for i in diag]
+        finite = torch.stack([torch.stack([all_finite(t) for t in p]).all() for p in payloads])
+        for i, payload, ok in zip(diag, payloads, finite.tolist(), strict=True):
+            out[i] = payload if ok else None
+            if not ok:
+                logger.warning("the diagonal %s is not finite after damping; keeping the "
+                               "previous decomposition", names[i])
+        return out
 
     @abc.abstractmethod
-    def payload_shapes(self, blocks: int, n: int) -> list[tuple[int, ...]]:
-        """Shapes of the payload tensors of a ``(blocks, n, n)`` factor."""
+    def decompose_dense(
+        self,
+        factors: Sequence[torch.Tensor],
+        *,
+        damping: Sequence[Damping],
+        inv_dtype: torch.dtype,
+        names: Sequence[str],
+    ) -> list[Payload | None]:
+        """Decomposes dense factor batches ``(blocks, n, n)`` (see :meth:`decompose`)."""
 
     @abc.abstractmethod
-    def state_shapes(self, blocks: int, a_dim: int, g_dim: int) -> dict[str, tuple[int, ...]]:
-        """The shape of each :attr:`state_keys` entry for factors of these sizes."""
+    def decompose_diagonal(
+        self, factor: torch.Tensor, damping: Damping, inv_dtype: torch.dtype
+    ) -> Payload:
+        """The payload of a diagonal factor ``(blocks, n)`` (elementwise, in ``inv_dtype``)."""
+
+    @abc.abstractmethod
+    def payload_shapes(
+        self, blocks: int, n: int, *, diagonal: bool = False
+    ) -> list[tuple[int, ...]]:
+        """Shapes of the payload tensors of a ``(blocks, n, n)`` (or diagonal) factor."""
+
+    def payload_symmetric(self, *, diagonal: bool = False) -> tuple[bool, ...]:
+        """Per payload tensor, whether it is a symmetric matrix (never for a diagonal)."""
+        if not diagonal:
+            return self.symmetric
+        return (False,) * len(self.payload_shapes(1, 1, diagonal=True))
+
+    @abc.abstractmethod
+    def state_shapes(
+        self, blocks: int, a_dim: int, g_dim: int, *, diagonal: Diagonal = DENSE
+    ) -> dict[str, tuple[int, ...]]:
+        """The shape of each stored entry for factors of these sizes."""
 
     @abc.abstractmethod
     def install(
-        self, state: State, a: Payload | None, g: Payload | None, *, damping: float
+        self, state: State, a: Payload | None, g: Payload | None, *, damping: float,
+        diagonal: Diagonal = DENSE,
     ) -> None:
         """Stores new results in a layer's ``state``; ``None`` keeps the previous one."""
 
     @abc.abstractmethod
-    def stored(self, state: State, side: Side) -> Payload | None:
+    def stored(self, state: State, side: Side, *, diagonal: Diagonal = DENSE) -> Payload | None:
         """The payload of the result currently stored for ``side``, if any."""
 
     @abc.abstractmethod
     def precondition(
-        self, state: State, grad: torch.Tensor, damping: float
+        self, state: State, grad: torch.Tensor, damping: float, *, diagonal: Diagonal = DENSE
     ) -> torch.Tensor | None:
         """The preconditioned ``(blocks, m, n)`` gradient, or ``None`` without a result."""
 
     @abc.abstractmethod
-    def numel(self, a_dim: int, g_dim: int) -> int:
+    def numel(self, a_dim: int, g_dim: int, *, diagonal: Diagonal = DENSE) -> int:
         """Elements stored for one Kronecker block with factors of these sizes."""
 
     @abc.abstractmethod
-    def decompose_flops(self, n: int) -> float:
-        """Approximate floating-point operations to decompose one ``n x n`` factor."""
+    def decompose_flops(self, n: int, *, diagonal: bool = False) -> float:
+        """Approximate floating-point operations to decompose one factor of dimension ``n``."""
 
     def factor_damping(
-        self, a: torch.Tensor, g: torch.Tensor, damping: float
+        self, a: torch.Tensor, g: torch.Tensor, damping: float, *, diagonal: Diagonal = DENSE
     ) -> tuple[Damping, Damping]:
         """The damping :meth:`decompose` gets for a layer's A and G factors.
 
         Args:
-            a: The layer's running A factor ``(blocks, n, n)``.
+            a: The layer's running A factor ``(blocks, n, n)`` (``(blocks, n)`` diagonal).
             g: Its running G factor.
             damping: The current damping.
+            diagonal: The block's diagonal sides.
 
         Returns:
             ``(damping for A, damping for G)``: numbers, or per-block tensors
@@ -115,10 +188,10 @@ class SecondOrderMethod(abc.ABC):
         """
         return damping, damping
 
-    def ready(self, state: State) -> bool:
+    def ready(self, state: State, *, diagonal: Diagonal = DENSE) -> bool:
         """Whether ``state`` holds what :meth:`precondition` needs."""
-        return all(key in state for key in self.required_keys())
+        return all(key in state for key in self.required_keys(diagonal=diagonal))
 
-    def required_keys(self) -> tuple[str, ...]:
-        """Keys that must be present before preconditioning (default: all)."""
-        return self.state_keys
+    def required_keys(self, *, diagonal: Diagonal = DENSE) -> tuple[str, ...]:
+        """Keys that must be present before preconditioning (default: the state's)."""
+        return tuple(self.state_shapes(1, 1, 1, diagonal=diagonal))

@@ -4,6 +4,12 @@ Each factor ``F = Q diag(d) Q^T`` is sent as ``[Q, d]``; preconditioning is
 ``QG ((QG^T grad QA) / (dG dA^T + damping)) QA^T`` (:func:`kaisa.ops.eigen_precondition`),
 with ``1 / (dG dA^T + damping)`` precomputed at decomposition time when
 ``outer_product`` (kfac-pytorch's ``compute_eigenvalue_outer_product``).
+
+A diagonal factor's eigenvectors are the identity: it is sent as ``[d]`` (``d`` the
+diagonal clamped at 0) and its side is not rotated. That path is plain torch: the
+kernel of :func:`kaisa.ops.eigen_precondition` takes both rotations, and the identity
+``V x V`` it would need is what a diagonal side exists to avoid (its two remaining
+products are single matmuls, which the kernel would not make faster).
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ from collections.abc import Sequence
 import torch
 
 from kaisa import linalg, ops
+from kaisa.dtypes import working_dtype
 from kaisa.enums import Side
-from kaisa.methods.base import Damping, Payload, SecondOrderMethod, State
+from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
 
 __all__ = ["EigenMethod"]
 
@@ -32,7 +39,7 @@ class EigenMethod(SecondOrderMethod):
     def __init__(self, *, outer_product: bool = True) -> None:
         self.outer_product = outer_product
 
-    def decompose(
+    def decompose_dense(
         self,
         factors: Sequence[torch.Tensor],
         *,
@@ -44,44 +51,75 @@ class EigenMethod(SecondOrderMethod):
         results = linalg.eigen_decompositions(factors, inv_dtype=inv_dtype, names=names)
         return [None if r is None else [r.eigenvectors, r.eigenvalues] for r in results]
 
-    def payload_shapes(self, blocks: int, n: int) -> list[tuple[int, ...]]:
-        """``[(blocks, n, n), (blocks, n)]``."""
-        return [(blocks, n, n), (blocks, n)]
+    def decompose_diagonal(
+        self, factor: torch.Tensor, damping: Damping, inv_dtype: torch.dtype
+    ) -> Payload:
+        """``[max(a, 0)]``: the eigenvalues of ``diag(a)`` (damping unused)."""
+        return [factor.to(working_dtype(inv_dtype)).clamp(min=0.0).to(inv_dtype)]
 
-    def state_shapes(self, blocks: int, a_dim: int, g_dim: int) -> dict[str, tuple[int, ...]]:
-        """``Q`` and ``d`` per factor and the ``(blocks, g_dim, a_dim)`` outer product."""
-        return {"qa": (blocks, a_dim, a_dim), "da": (blocks, a_dim),
-                "qg": (blocks, g_dim, g_dim), "dg": (blocks, g_dim),
-                "dgda": (blocks, g_dim, a_dim)}
+    def payload_shapes(
+        self, blocks: int, n: int, *, diagonal: bool = False
+    ) -> list[tuple[int, ...]]:
+        """``[(blocks, n, n), (blocks, n)]``; ``[(blocks, n)]`` for a diagonal."""
+        return [(blocks, n)] if diagonal else [(blocks, n, n), (blocks, n)]
+
+    def state_shapes(
+        self, blocks: int, a_dim: int, g_dim: int, *, diagonal: Diagonal = DENSE
+    ) -> dict[str, tuple[int, ...]]:
+        """``Q`` (not for a diagonal side) and ``d`` per factor, and the outer product."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for side, n in ((Side.A, a_dim), (Side.G, g_dim)):
+            q, d = _keys(side)
+            if side not in diagonal:
+                shapes[q] = (blocks, n, n)
+            shapes[d] = (blocks, n)
+        shapes["dgda"] = (blocks, g_dim, a_dim)
+        return {key: shapes[key] for key in self.state_keys if key in shapes}
 
     def install(
-        self, state: State, a: Payload | None, g: Payload | None, *, damping: float
+        self, state: State, a: Payload | None, g: Payload | None, *, damping: float,
+        diagonal: Diagonal = DENSE,
     ) -> None:
         """Stores ``Q``/``d`` per factor and, when enabled, the damped outer product."""
-        if a is not None:
-            state["qa"], state["da"] = a
-        if g is not None:
-            state["qg"], state["dg"] = g
+        for side, payload in ((Side.A, a), (Side.G, g)):
+            if payload is None:
+                continue
+            q, d = _keys(side)
+            if side in diagonal:
+                (state[d],) = payload
+            else:
+                state[q], state[d] = payload
         changed = a is not None or g is not None or "dgda" not in state
         if self.outer_product and changed and "da" in state and "dg" in state:
             outer = state["dg"].unsqueeze(-1) * state["da"].unsqueeze(-2)
             state["dgda"] = 1.0 / (outer + damping)
 
-    def stored(self, state: State, side: Side) -> Payload | None:
-        """``[Q, d]`` of ``side`` if stored."""
-        q, d = ("qa", "da") if side is Side.A else ("qg", "dg")
+    def stored(self, state: State, side: Side, *, diagonal: Diagonal = DENSE) -> Payload | None:
+        """``[Q, d]`` (``[d]`` for a diagonal side) of ``side`` if stored."""
+        q, d = _keys(side)
+        if side in diagonal:
+            return [state[d]] if d in state else None
         return [state[q], state[d]] if q in state and d in state else None
 
-    def required_keys(self) -> tuple[str, ...]:
-        """Eigenvectors and eigenvalues of both factors."""
-        return ("qa", "da", "qg", "dg")
+    def required_keys(self, *, diagonal: Diagonal = DENSE) -> tuple[str, ...]:
+        """Eigenvectors (of dense sides) and eigenvalues of both factors."""
+        keys: list[str] = []
+        for side in (Side.A, Side.G):
+            q, d = _keys(side)
+            keys += [d] if side in diagonal else [q, d]
+        return tuple(keys)
 
     def precondition(
-        self, state: State, grad: torch.Tensor, damping: float
+        self, state: State, grad: torch.Tensor, damping: float, *, diagonal: Diagonal = DENSE
     ) -> torch.Tensor | None:
-        """``QG ((QG^T grad QA) / (dG dA^T + damping)) QA^T`` in the stored dtype."""
-        if not self.ready(state):
+        """``QG ((QG^T grad QA) / (dG dA^T + damping)) QA^T`` in the stored dtype.
+
+        A diagonal side has no ``Q``: it is not rotated.
+        """
+        if not self.ready(state, diagonal=diagonal):
             return None
+        if diagonal:
+            return self._precondition_diagonal(state, grad, damping, diagonal)
         qa, qg = state["qa"], state["qg"]
         g = grad.to(qa.dtype)
         if "dgda" in state:
@@ -92,11 +130,39 @@ class EigenMethod(SecondOrderMethod):
             )
         return out.to(grad.dtype)
 
-    def numel(self, a_dim: int, g_dim: int) -> int:
-        """``Q`` and ``d`` of both factors, plus the outer product when stored."""
-        outer = g_dim * a_dim if self.outer_product else 0
-        return a_dim * a_dim + a_dim + g_dim * g_dim + g_dim + outer
+    @staticmethod
+    def _precondition_diagonal(
+        state: State, grad: torch.Tensor, damping: float, diagonal: Diagonal
+    ) -> torch.Tensor:
+        """The same product with the rotations of the diagonal sides left out."""
+        qa = None if Side.A in diagonal else state["qa"]
+        qg = None if Side.G in diagonal else state["qg"]
+        v = grad.to(state["da"].dtype)
+        if qg is not None:
+            v = qg.transpose(-1, -2) @ v
+        if qa is not None:
+            v = v @ qa
+        if "dgda" in state:
+            v = v * state["dgda"]
+        else:
+            v = v / (state["dg"].unsqueeze(-1) * state["da"].unsqueeze(-2) + damping)
+        if qa is not None:
+            v = v @ qa.transpose(-1, -2)
+        if qg is not None:
+            v = qg @ v
+        return v.to(grad.dtype)
 
-    def decompose_flops(self, n: int) -> float:
-        """A symmetric eigendecomposition with eigenvectors: about ``9 n^3``."""
-        return 9.0 * n**3
+    def numel(self, a_dim: int, g_dim: int, *, diagonal: Diagonal = DENSE) -> int:
+        """``Q`` (dense sides) and ``d`` of both factors, plus the outer product if stored."""
+        outer = g_dim * a_dim if self.outer_product else 0
+        qa = 0 if Side.A in diagonal else a_dim * a_dim
+        qg = 0 if Side.G in diagonal else g_dim * g_dim
+        return qa + a_dim + qg + g_dim + outer
+
+    def decompose_flops(self, n: int, *, diagonal: bool = False) -> float:
+        """A symmetric eigendecomposition with eigenvectors: about ``9 n^3`` (diagonal: ``n``)."""
+        return float(n) if diagonal else 9.0 * n**3
+
+
+def _keys(side: Side) -> tuple[str, str]:
+    return ("qa", "da") if side is Side.A else ("qg", "dg")

@@ -3,7 +3,8 @@
 Each factor ``F`` is sent as ``[(F + damping I)^-1]`` (Cholesky, with the float64 retry
 ladder of :func:`kaisa.linalg.damped_inverses`); preconditioning is
 ``G_inv @ grad @ A_inv``. The inverses are symmetric, so ``symmetry_aware`` sends their
-upper triangles only.
+upper triangles only. A diagonal factor ``a`` is sent as ``[1 / (a + damping)]`` and
+scales the gradient's columns (A) or rows (G).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from kaisa import linalg
+from kaisa.dtypes import working_dtype
 from kaisa.enums import Side
-from kaisa.methods.base import Damping, Payload, SecondOrderMethod, State
+from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
 
 __all__ = ["InverseMethod", "PiInverseMethod"]
 
@@ -26,7 +28,7 @@ class InverseMethod(SecondOrderMethod):
     state_keys = ("a_inv", "g_inv")
     symmetric = (True,)
 
-    def decompose(
+    def decompose_dense(
         self,
         factors: Sequence[torch.Tensor],
         *,
@@ -40,16 +42,34 @@ class InverseMethod(SecondOrderMethod):
         )
         return [None if inv is None else [inv] for inv in inverses]
 
-    def payload_shapes(self, blocks: int, n: int) -> list[tuple[int, ...]]:
-        """``[(blocks, n, n)]``."""
-        return [(blocks, n, n)]
+    def decompose_diagonal(
+        self, factor: torch.Tensor, damping: Damping, inv_dtype: torch.dtype
+    ) -> Payload:
+        """``[1 / (a + damping)]`` (per-block damping broadcast over the diagonal)."""
+        dtype = working_dtype(inv_dtype)
+        a = factor.to(dtype)
+        if isinstance(damping, torch.Tensor):
+            damping = damping.to(dtype).reshape(-1, 1)
+        return [(1.0 / (a + damping)).to(inv_dtype)]
 
-    def state_shapes(self, blocks: int, a_dim: int, g_dim: int) -> dict[str, tuple[int, ...]]:
-        """One inverse per factor."""
-        return {"a_inv": (blocks, a_dim, a_dim), "g_inv": (blocks, g_dim, g_dim)}
+    def payload_shapes(
+        self, blocks: int, n: int, *, diagonal: bool = False
+    ) -> list[tuple[int, ...]]:
+        """``[(blocks, n, n)]``; ``[(blocks, n)]`` for a diagonal."""
+        return [(blocks, n)] if diagonal else [(blocks, n, n)]
+
+    def state_shapes(
+        self, blocks: int, a_dim: int, g_dim: int, *, diagonal: Diagonal = DENSE
+    ) -> dict[str, tuple[int, ...]]:
+        """One inverse per factor (its diagonal for a diagonal side)."""
+        return {
+            "a_inv": (blocks, a_dim) if Side.A in diagonal else (blocks, a_dim, a_dim),
+            "g_inv": (blocks, g_dim) if Side.G in diagonal else (blocks, g_dim, g_dim),
+        }
 
     def install(
-        self, state: State, a: Payload | None, g: Payload | None, *, damping: float
+        self, state: State, a: Payload | None, g: Payload | None, *, damping: float,
+        diagonal: Diagonal = DENSE,
     ) -> None:
         """Stores the inverses (``None`` keeps the previous one)."""
         if a is not None:
@@ -57,27 +77,34 @@ class InverseMethod(SecondOrderMethod):
         if g is not None:
             state["g_inv"] = g[0]
 
-    def stored(self, state: State, side: Side) -> Payload | None:
+    def stored(self, state: State, side: Side, *, diagonal: Diagonal = DENSE) -> Payload | None:
         """``[inverse]`` of ``side`` if stored."""
         key = "a_inv" if side is Side.A else "g_inv"
         return [state[key]] if key in state else None
 
     def precondition(
-        self, state: State, grad: torch.Tensor, damping: float
+        self, state: State, grad: torch.Tensor, damping: float, *, diagonal: Diagonal = DENSE
     ) -> torch.Tensor | None:
-        """``G_inv @ grad @ A_inv`` in the stored dtype."""
-        if not self.ready(state):
+        """``G_inv @ grad @ A_inv`` in the stored dtype (a diagonal inverse scales)."""
+        if not self.ready(state, diagonal=diagonal):
             return None
         a_inv, g_inv = state["a_inv"], state["g_inv"]
-        return (g_inv @ grad.to(a_inv.dtype) @ a_inv).to(grad.dtype)
+        if not diagonal:
+            return (g_inv @ grad.to(a_inv.dtype) @ a_inv).to(grad.dtype)
+        v = grad.to(a_inv.dtype)
+        v = g_inv.unsqueeze(-1) * v if Side.G in diagonal else g_inv @ v
+        v = v * a_inv.unsqueeze(-2) if Side.A in diagonal else v @ a_inv
+        return v.to(grad.dtype)
 
-    def numel(self, a_dim: int, g_dim: int) -> int:
-        """Both inverses."""
-        return a_dim * a_dim + g_dim * g_dim
+    def numel(self, a_dim: int, g_dim: int, *, diagonal: Diagonal = DENSE) -> int:
+        """Both inverses (``n`` elements for a diagonal side)."""
+        a = a_dim if Side.A in diagonal else a_dim * a_dim
+        g = g_dim if Side.G in diagonal else g_dim * g_dim
+        return a + g
 
-    def decompose_flops(self, n: int) -> float:
-        """Cholesky (``n^3/3``) and the inverse from it (``2 n^3/3``)."""
-        return 1.0 * n**3
+    def decompose_flops(self, n: int, *, diagonal: bool = False) -> float:
+        """Cholesky (``n^3/3``) and the inverse from it (``2 n^3/3``); diagonal: ``n``."""
+        return float(n) if diagonal else 1.0 * n**3
 
 
 class PiInverseMethod(InverseMethod):
@@ -92,13 +119,21 @@ class PiInverseMethod(InverseMethod):
     """
 
     def factor_damping(
-        self, a: torch.Tensor, g: torch.Tensor, damping: float
+        self, a: torch.Tensor, g: torch.Tensor, damping: float, *, diagonal: Diagonal = DENSE
     ) -> tuple[Damping, Damping]:
-        """``(pi sqrt(damping), sqrt(damping) / pi)`` per block, float64."""
-        mean_a = a.diagonal(dim1=-2, dim2=-1).double().mean(-1)
-        mean_g = g.diagonal(dim1=-2, dim2=-1).double().mean(-1)
+        """``(pi sqrt(damping), sqrt(damping) / pi)`` per block, float64.
+
+        ``tr(F) / dim F`` is the mean of a diagonal side's entries.
+        """
+        mean_a = _diagonal(a, Side.A in diagonal).double().mean(-1)
+        mean_g = _diagonal(g, Side.G in diagonal).double().mean(-1)
         ratio = mean_a / mean_g
         usable = (mean_a > 0) & (mean_g > 0) & torch.isfinite(ratio)
         pi = torch.where(usable, ratio, torch.ones_like(ratio)).sqrt()
         root = math.sqrt(damping)
         return pi * root, root / pi
+
+
+def _diagonal(factor: torch.Tensor, is_diagonal: bool) -> torch.Tensor:
+    """The diagonal ``(blocks, n)`` of a factor kept dense or as its diagonal."""
+    return factor if is_diagonal else factor.diagonal(dim1=-2, dim2=-1)

@@ -60,7 +60,8 @@ def kfac_summary(label: str, curvature: Any, largest: int = 3) -> str:
     """One line: registered layers, modelled K-FAC memory per rank, the largest factors."""
     estimate = curvature.memory_estimates()[curvature.engine.grid.fraction]
     top = ", ".join(
-        f"{f.layer}.{f.side.value} {f.dim}x{f.dim}{f' x{f.blocks}' if f.blocks > 1 else ''} "
+        f"{f.layer}.{f.side.value} {f'diag {f.dim}' if f.diagonal else f'{f.dim}x{f.dim}'}"
+        f"{f' x{f.blocks}' if f.blocks > 1 else ''} "
         f"({f.nbytes / 2**20:.1f} MB, {f.gflop:.2g} GFLOP)"
         for f in curvature.factor_sizes()[:largest]
     )
