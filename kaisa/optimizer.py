@@ -35,7 +35,7 @@ from kaisa.closure import Closure, call
 from kaisa.curvature import KFACCurvature
 from kaisa.first_order import fixed_value, sgd_update
 from kaisa.hyperparams import Schedules
-from kaisa.losses import Loss, LossKind, Reduction
+from kaisa.losses import Loss, LossKind, Reduction, Share
 from kaisa.optimizer_config import (
     ADAPTIVE,
     Curvature,
@@ -148,6 +148,8 @@ class KFAC(torch.optim.Optimizer):
         #: takes every parameter, or every parameter is covered).
         self.first_order = rule(rest) if rest and rule is not None else None
         self._first_order_ids = {id(p) for p in rest} if self.first_order else set()
+        #: This rank's rows of every Monte-Carlo draw (docs/conventions.md, "Distribution").
+        self._share = Share(self.curvature.engine.rank, self.curvature.engine.world_size)
         self._arm()
 
     # ------------------------------------------------------------------ step
@@ -290,7 +292,7 @@ class KFAC(torch.optim.Optimizer):
             if cfg.curvature is Curvature.MC and factor_step:
                 with curvature.output_gradients(passes=cfg.mc_samples, divisor=divisor):
                     for sample in range(cfg.mc_samples):
-                        targets_mc = self.loss.sample_targets(outputs, self._generator)
+                        targets_mc = self.loss.sample_targets(outputs, self._generator, self._share)
                         if sample == 0 and keep:
                             # this pass records G and builds J^T for the quadratic model;
                             # the seed is taken off the graph (no layer hook fires twice)
