@@ -198,6 +198,7 @@ def _configs(world: int) -> list[dict[str, Any]]:
         *(dict(product="precondition", strategy=s, method=m) for s in fractions for m in methods),
         *(dict(product="kfac", strategy=s, method=m, curvature="mc")
           for s in fractions for m in methods),
+        dict(product="kfac", strategy="comm_opt", method="pi_inverse", curvature="mc"),
         dict(product="kfac", strategy="mem_opt", method="eigen", curvature="empirical"),
     ]
 
