@@ -418,12 +418,17 @@ class KFAC(torch.optim.Optimizer):
         return self.scaling.scaler
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer state plus the curvature's, the damping and the sampler."""
+    def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
+        """Optimizer state plus the curvature's, the damping and the sampler.
+
+        ``gather``: as :meth:`kaisa.KFACPreconditioner.state_dict`'s (a collective that
+        adds the decompositions other ranks hold, for a bit-exact resume).
+        """
         state = super().state_dict()
         state["kaisa"] = optimizer_state.saved(
             steps=self.steps, damping=self.damping, schedules=self._schedules,
             curvature=self.curvature, generator=self._generator, first_order=self.first_order,
+            gather=gather,
         )
         return state
 
