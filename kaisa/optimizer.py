@@ -148,8 +148,7 @@ class KFAC(torch.optim.Optimizer):
         #: takes every parameter, or every parameter is covered).
         self.first_order = rule(rest) if rest and rule is not None else None
         self._first_order_ids = {id(p) for p in rest} if self.first_order else set()
-        #: This rank's rows of every Monte-Carlo draw (docs/conventions.md, "Distribution").
-        self._share = Share(self.curvature.engine.rank, self.curvature.engine.world_size)
+        self._share = Share(self.curvature.engine.rank, self.curvature.engine.world_size)  # MC rows
         self._arm()
 
     # ------------------------------------------------------------------ step
@@ -419,16 +418,11 @@ class KFAC(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
-        """Optimizer state plus the curvature's, the damping and the sampler.
-
-        ``gather``: as :meth:`kaisa.KFACPreconditioner.state_dict`'s (a collective that
-        adds the decompositions other ranks hold, for a bit-exact resume).
-        """
+        """Optimizer, curvature and sampler state (``gather``: see KFACPreconditioner's)."""
         state = super().state_dict()
         state["kaisa"] = optimizer_state.saved(
-            steps=self.steps, damping=self.damping, schedules=self._schedules,
+            steps=self.steps, damping=self.damping, schedules=self._schedules, gather=gather,
             curvature=self.curvature, generator=self._generator, first_order=self.first_order,
-            gather=gather,
         )
         return state
 
