@@ -345,9 +345,10 @@ def test_gpt_resumes_bit_exactly_from_rank_zeros_gathered_state(
     loading recomputes from the factors: not the uninterrupted run."""
     results = run_distributed(_resume_job, world, product, strategy, timeout=280)
     for r, got in enumerate(results):
-        # every block with decompositions saved (beyond A, G and the two skip counts)
-        with_factors = [n for n in got["kron"] if not n.endswith("self_attn.out_proj")]
-        assert got["saved"][True] == sorted(with_factors), got["saved"]
+        # every block with decompositions saved (beyond A, G and the two skip counts), but
+        # MHA's out_proj where its hooks do not fire
+        with_factors = {n for n in got["kron"] if not n.endswith("self_attn.out_proj")}
+        assert with_factors <= set(got["saved"][True]) <= set(got["kron"]), got["saved"]
         assert set(got["saved"][False]) < set(got["saved"][True])
         for step, (a, b) in enumerate(zip(got["after"]["whole"], got["after"]["gathered"],
                                           strict=True)):
