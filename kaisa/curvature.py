@@ -42,6 +42,7 @@ from kaisa.blocks import CurvatureBlock, Preconditioned, register_blocks
 from kaisa.config import KFACConfig
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.distributed.agreement import check_same_on_ranks
+from kaisa.distributed.gather import gather_decompositions
 from kaisa.hooks import StatisticsRecorder
 from kaisa.methods import make_method
 
@@ -94,6 +95,7 @@ class KFACCurvature:
                 "skip_layers)"
             )
         self._blocks = blocks
+        self._inv_dtype = config.inv_dtype
         self._method = make_method(
             config.compute_method, outer_product=config.compute_eigenvalue_outer_product
         )
@@ -300,9 +302,22 @@ class KFACCurvature:
         return self._engine.is_grad_worker(name)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, dict[str, Any]]:
-        """Per block: running factors, skip counts and decompositions."""
-        return {name: block.state_dict() for name, block in self._blocks.items()}
+    def state_dict(self, *, gather: bool = False) -> dict[str, dict[str, Any]]:
+        """Per block: running factors, skip counts and decompositions.
+
+        Args:
+            gather: Also the decompositions this rank does not hold (MEM-OPT,
+                HYBRID-OPT), from their gradient workers: a collective, every rank must
+                call it (:func:`~kaisa.distributed.gather.gather_decompositions`). Without
+                it such blocks are saved without them, and loading recomputes them.
+        """
+        state = {name: block.state_dict() for name, block in self._blocks.items()}
+        if gather:
+            for name, entries in gather_decompositions(
+                self._engine, self._blocks, self._method, self._inv_dtype
+            ).items():
+                state[name].update(entries)
+        return state
 
     def check_state_dict(self, state: object) -> None:
         """Raises ``ValueError`` unless ``state`` holds a valid state of every block.

@@ -21,7 +21,7 @@ import torch
 
 from kaisa import quadratic
 from kaisa.curvature import KFACCurvature
-from kaisa.losses import Loss
+from kaisa.losses import Loss, Share
 from kaisa.optimizer_config import TYPE2_MAX_COLUMNS, Curvature
 
 __all__ = ["record_g"]
@@ -37,6 +37,7 @@ def record_g(
     covered: list[torch.Tensor],
     samples: int,
     generator: torch.Generator,
+    share: Share,
     divisor: float | torch.Tensor,
     scaled: Callable[[torch.Tensor], torch.Tensor],
     linearize: bool,
@@ -52,6 +53,7 @@ def record_g(
         covered: The parameters the quadratic model's ``J^T`` is built over.
         samples: Monte-Carlo samples (``MC``).
         generator: The target sampler's generator (``MC``).
+        share: This rank's rows of the global batch the targets are drawn for (``MC``).
         divisor: The Fisher scale times the loss scale (the recorder divides by it).
         scaled: Multiplies by the loss scale.
         linearize: Make the first pass the create-graph pass of ``J^T``.
@@ -67,7 +69,7 @@ def record_g(
     if source is Curvature.MC:
         with curvature.output_gradients(passes=samples, divisor=divisor):
             for sample in range(samples):
-                targets = loss.sample_targets(outputs, generator)
+                targets = loss.sample_targets(outputs, generator, share)
                 if sample == 0 and linearize:
                     # this pass records G and builds J^T for the quadratic model;
                     # the seed is taken off the graph (no layer hook fires twice)

@@ -14,11 +14,16 @@
 
 ``examples`` and ``scale`` relate the declared loss to per-example negative
 log-likelihoods: ``loss = scale * sum_i l_i`` over ``examples`` terms.
+
+Under torch.distributed each rank samples its :class:`Share` of the draw one process
+makes on the global batch (``docs/conventions.md``, "Distribution").
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -26,7 +31,47 @@ import torch.nn.functional as F
 
 from kaisa.enums import LossKind, Reduction, parse_enum
 
-__all__ = ["LOSSES", "CrossEntropyLoss", "Loss", "LossKind", "MSELoss", "Reduction"]
+__all__ = ["LOSSES", "CrossEntropyLoss", "Loss", "LossKind", "MSELoss", "Reduction", "Share"]
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which rows of a global batch a rank's outputs are: ``[index n, (index + 1) n)``.
+
+    The global batch is ``count`` local batches of ``n`` rows (``n`` the local first
+    dimension) in rank order; ``Share()`` is a whole batch (one process).
+
+    Attributes:
+        index: This rank's position (its rank).
+        count: How many equal shares (the world size).
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.index, int) and isinstance(self.count, int)
+                and 0 <= self.index < self.count):
+            raise ValueError(f"a Share needs integers 0 <= index < count, got index "
+                             f"{self.index!r} and count {self.count!r}")
+
+    def draw(
+        self, noise: Callable[[tuple[int, ...]], torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        """This share's rows of ``noise`` drawn for the global batch.
+
+        Args:
+            noise: Draws a tensor of the given shape (advancing its generator).
+            shape: The local shape ``(n, ...)``.
+
+        Returns:
+            ``noise((count n, ...))[index n : (index + 1) n]`` (the whole draw when
+            ``count`` is 1).
+        """
+        if self.count == 1:
+            return noise(tuple(shape))
+        n = shape[0]
+        return noise((self.count * n, *shape[1:]))[self.index * n : (self.index + 1) * n]
 
 
 class Loss(abc.ABC):
@@ -78,9 +123,14 @@ class Loss(abc.ABC):
 
     @abc.abstractmethod
     def sample_targets(
-        self, outputs: torch.Tensor, generator: torch.Generator | None = None
+        self, outputs: torch.Tensor, generator: torch.Generator | None = None,
+        share: Share = Share(),
     ) -> torch.Tensor:
-        """Targets drawn from the model's predictive distribution at ``outputs``."""
+        """Targets drawn from the model's predictive distribution at ``outputs``.
+
+        ``share``: which rows of the global batch ``outputs`` are; the noise is drawn for
+        the global batch (on the CPU, from ``generator``) and this share's rows kept.
+        """
 
     @abc.abstractmethod
     def fisher_sqrt(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -131,11 +181,15 @@ class MSELoss(Loss):
         return outputs.numel()
 
     def sample_targets(
-        self, outputs: torch.Tensor, generator: torch.Generator | None = None
+        self, outputs: torch.Tensor, generator: torch.Generator | None = None,
+        share: Share = Share(),
     ) -> torch.Tensor:
         """``f + N(0, 1/2)`` noise."""
         f = outputs.detach()
-        noise = torch.randn(f.shape, generator=generator, dtype=f.dtype, device="cpu")
+        noise = share.draw(
+            lambda shape: torch.randn(shape, generator=generator, dtype=f.dtype, device="cpu"),
+            f.shape,
+        )
         sampled: torch.Tensor = f + noise.to(f.device) * (0.5**0.5)
         return sampled
 
@@ -198,12 +252,22 @@ class CrossEntropyLoss(Loss):
         return self.examples(outputs)
 
     def sample_targets(
-        self, outputs: torch.Tensor, generator: torch.Generator | None = None
+        self, outputs: torch.Tensor, generator: torch.Generator | None = None,
+        share: Share = Share(),
     ) -> torch.Tensor:
-        """Classes drawn from ``softmax(outputs)``."""
+        """Classes drawn from ``softmax(outputs)``: ``argmax_k p_k / E_k``, ``E ~ Exp(1)``.
+
+        The exponential race, ``torch.multinomial``'s algorithm for one sample (with
+        ``Share()`` the classes equal ``torch.multinomial(p, 1, generator=generator)``'s),
+        written out so that a rank can keep its rows of the global draw.
+        """
         f = outputs.detach()
         probs = torch.softmax(f.reshape(-1, f.shape[-1]).float(), dim=-1).cpu()
-        drawn = torch.multinomial(probs, 1, generator=generator).reshape(f.shape[:-1])
+        race = share.draw(
+            lambda shape: torch.empty(shape, dtype=probs.dtype).exponential_(generator=generator),
+            probs.shape,
+        )
+        drawn = (probs / race).argmax(-1).reshape(f.shape[:-1])
         return drawn.to(f.device)
 
     def fisher_sqrt(self, outputs: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from kaisa.curvature import KFACCurvature
 from kaisa.first_order import fixed_value, sgd_update
 from kaisa.fisher import record_g
 from kaisa.hyperparams import Schedules
-from kaisa.losses import Loss, LossKind, Reduction
+from kaisa.losses import Loss, LossKind, Reduction, Share
 from kaisa.optimizer_config import (
     ADAPTIVE,
     Curvature,
@@ -152,6 +152,7 @@ class KFAC(torch.optim.Optimizer):
         #: takes every parameter, or every parameter is covered).
         self.first_order = rule(rest) if rest and rule is not None else None
         self._first_order_ids = {id(p) for p in rest} if self.first_order else set()
+        self._share = Share(self.curvature.engine.rank, self.curvature.engine.world_size)  # MC rows
         self._arm()
 
     # ------------------------------------------------------------------ step
@@ -296,7 +297,8 @@ class KFAC(torch.optim.Optimizer):
                 built = record_g(
                     cfg.curvature, curvature, self.loss, outputs, params=params,
                     covered=[p for p in params if id(p) not in self._first_order_ids],
-                    samples=cfg.mc_samples, generator=self._generator, divisor=divisor,
+                    samples=cfg.mc_samples, generator=self._generator, share=self._share,
+                    divisor=divisor,
                     scaled=scaled, linearize=keep,
                 )
                 linearization = built if built is not None else linearization
@@ -413,11 +415,11 @@ class KFAC(torch.optim.Optimizer):
         return self.scaling.scaler
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer state plus the curvature's, the damping and the sampler."""
+    def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
+        """Optimizer, curvature and sampler state (``gather``: see KFACPreconditioner's)."""
         state = super().state_dict()
         state["kaisa"] = optimizer_state.saved(
-            steps=self.steps, damping=self.damping, schedules=self._schedules,
+            steps=self.steps, damping=self.damping, schedules=self._schedules, gather=gather,
             curvature=self.curvature, generator=self._generator, first_order=self.first_order,
         )
         return state

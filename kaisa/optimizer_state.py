@@ -28,12 +28,12 @@ _PARAMETER_STATE = ("velocity", "momentum_buffer")
 
 def saved(
     *, steps: int, damping: float, schedules: Schedules, curvature: KFACCurvature,
-    generator: torch.Generator, first_order: torch.optim.Optimizer | None,
+    generator: torch.Generator, first_order: torch.optim.Optimizer | None, gather: bool = False,
 ) -> dict[str, Any]:
-    """The ``'kaisa'`` entry of :meth:`kaisa.KFAC.state_dict`."""
+    """The ``'kaisa'`` entry of :meth:`kaisa.KFAC.state_dict` (``gather``: the core's)."""
     state = {
         "preconditioner": {"steps": steps, **schedules.state_dict(),
-                           "layers": curvature.state_dict()},
+                           "layers": curvature.state_dict(gather=gather)},
         "damping": damping,
         "steps": steps,
         "generator": generator.get_state(),

@@ -287,15 +287,19 @@ class KFACPreconditioner:
         self._curvature.recording = self._steps % self.factor_update_steps == 0
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+    def state_dict(self, include_factors: bool = True, *, gather: bool = False) -> dict[str, Any]:
         """Everything a step reads: steps, non-callable hyperparameters, factors, decompositions.
 
         Args:
             include_factors: include per-layer factors and decompositions.
+            gather: also the decompositions held by other ranks (MEM-OPT, HYBRID-OPT),
+                so that loading the state resumes bit for bit; a collective: call it on
+                every rank (then save one rank's). Without it this rank's decompositions
+                only, and loading recomputes the others from the factors.
         """
         state: dict[str, Any] = {"steps": self._steps, **self._schedules.state_dict()}
         if include_factors:
-            state["layers"] = self._curvature.state_dict()
+            state["layers"] = self._curvature.state_dict(gather=gather)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:

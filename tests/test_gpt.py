@@ -2,6 +2,9 @@
 
 import importlib.util
 import json
+import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -126,6 +129,63 @@ def test_lm_resume_is_bit_identical(tmp_path: Path) -> None:
         assert split["epoch"] == whole["epoch"] == 3
         for key, value in whole["model"].items():
             assert torch.equal(split["model"][key], value), (config, key)
+
+
+#: Record and checkpoint entries that are measured times (they differ between any two runs).
+_TIMES = frozenset({"time", "wall", "seconds_per_iter", "kfac", "train_time"})
+
+
+def _assert_same(a: object, b: object, where: str) -> None:
+    """Bit-for-bit equality of checkpoint contents (tensors, NaN-aware floats), times aside."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            if key not in _TIMES:
+                _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == b or (math.isnan(a) and math.isnan(b)), (where, a, b)
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fraction", [pytest.param("comm_opt", marks=pytest.mark.slow), "mem_opt"])
+def test_lm_resume_under_torchrun_is_bit_identical(tmp_path: Path, fraction: str) -> None:
+    """2 processes: 3 steps, --resume, 3 more equal 6 steps (checkpoints and metrics) for
+    AdamW + KFACPreconditioner and kaisa.KFAC (Monte-Carlo curvature), resuming between
+    two decomposition updates (every 4 steps) and two damping adaptations (every 5)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KAISA_BACKEND": "torch"}
+    configs = ("adamw+kfac", "kfac")
+    common = ["--compare", ",".join(configs), "--steps-per-epoch", "3",
+              "--kfac-inv-update-steps", "4", "--kfac-damping-interval", "5",
+              "--kfac-grad-worker-fraction", fraction]
+    for name, extra in (("split", ["--epochs", "1"]), ("split", ["--epochs", "2", "--resume"]),
+                        ("whole", ["--epochs", "2"])):
+        command = [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "kaisa.train",
+                   *_lm_args(tmp_path, *common, "--name", name, *extra)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env,
+                                cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for config in configs:
+        split = torch.load(tmp_path / "split" / f"checkpoint-{config}.pt", weights_only=True)
+        whole = torch.load(tmp_path / "whole" / f"checkpoint-{config}.pt", weights_only=True)
+        assert split["settings"]["world_size"] == whole["settings"]["world_size"] == 2
+        assert split["epoch"] == whole["epoch"] == 2 and split["steps"] == 6
+        _assert_same({k: v for k, v in split.items() if k != "settings"},
+                     {k: v for k, v in whole.items() if k != "settings"}, config)
+    split_records, whole_records = (
+        [json.dumps({k: v for k, v in r.items() if k not in _TIMES}, sort_keys=True)
+         for r in _records(tmp_path / run / "metrics.jsonl")] for run in ("split", "whole"))
+    assert split_records == whole_records
+    assert len(whole_records) == 2 * 3  # epochs 0, 1, 2 of each configuration
 
 
 @pytest.mark.parametrize(

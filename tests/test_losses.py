@@ -82,3 +82,55 @@ def test_mse_fisher_sqrt_is_c_sqrt2_identity_columns(
         expected = torch.zeros(shape)
         expected[..., j] = c * 2**0.5
         torch.testing.assert_close(columns[j], expected, rtol=1e-15, atol=0)
+# --------------------------------------------------------------------------- sampled targets
+
+
+def _gen(seed: int = 3) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_one_process_samples_classes_as_torch_multinomial_does() -> None:
+    logits = torch.randn(4, 5, 7)  # (B, T, C)
+    g_ours, g_ref = _gen(), _gen()
+    drawn = Loss.of("cross_entropy").sample_targets(logits, g_ours)
+    probs = torch.softmax(logits.reshape(-1, 7).float(), dim=-1)
+    want = torch.multinomial(probs, 1, generator=g_ref).reshape(4, 5)
+    assert torch.equal(drawn, want)
+    assert torch.equal(g_ours.get_state(), g_ref.get_state())
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "mse"])
+def test_ranks_shares_of_the_draw_make_up_one_process_sample(kind: str) -> None:
+    """Each of 3 ranks, from the same seed, keeps its rows of the global draw: together
+    they sample what one process samples on the global batch, and their samplers agree."""
+    loss, world = Loss.of(kind), 3
+    outputs = torch.randn(world * 2, 4, 6)  # 2 windows of 4 positions per rank
+    whole_gen = _gen()
+    whole = loss.sample_targets(outputs, whole_gen)
+    parts, states = [], []
+    for rank in range(world):
+        gen = _gen()
+        mine = outputs[2 * rank : 2 * rank + 2]
+        parts.append(loss.sample_targets(mine, gen, kaisa.losses.Share(rank, world)))
+        states.append(gen.get_state())
+    assert torch.equal(torch.cat(parts), whole)
+    assert all(torch.equal(s, whole_gen.get_state()) for s in states)
+
+
+def test_ranks_with_the_same_outputs_draw_different_noise() -> None:
+    outputs = torch.zeros(5, 3)
+    a = Loss.of("mse").sample_targets(outputs, _gen(), kaisa.losses.Share(0, 2))
+    b = Loss.of("mse").sample_targets(outputs, _gen(), kaisa.losses.Share(1, 2))
+    noise = torch.randn(10, 3, generator=_gen()) * 0.5**0.5  # the global draw, written out
+    torch.testing.assert_close(a, noise[:5], rtol=0, atol=0)
+    torch.testing.assert_close(b, noise[5:], rtol=0, atol=0)
+    logits = torch.zeros(200, 10)  # uniform: equal classes would mean shared noise
+    ca = Loss.of("cross_entropy").sample_targets(logits, _gen(), kaisa.losses.Share(0, 2))
+    cb = Loss.of("cross_entropy").sample_targets(logits, _gen(), kaisa.losses.Share(1, 2))
+    assert (ca == cb).float().mean() < 0.3
+
+
+@pytest.mark.parametrize(("index", "count"), [(2, 2), (-1, 2), (0, 0), (0.5, 2)])
+def test_a_share_outside_the_world_is_refused(index: object, count: object) -> None:
+    with pytest.raises(ValueError, match="0 <= index < count"):
+        kaisa.losses.Share(index, count)  # type: ignore[arg-type]

@@ -37,8 +37,8 @@ def _recording_draws(opt: kaisa.KFAC) -> list[torch.Tensor]:
     drawn: list[torch.Tensor] = []
     sample = opt.loss.sample_targets
 
-    def recorded(outputs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        drawn.append(sample(outputs, generator))
+    def recorded(outputs: torch.Tensor, *rest: Any) -> torch.Tensor:
+        drawn.append(sample(outputs, *rest))
         return drawn[-1]
 
     opt.loss.sample_targets = recorded  # type: ignore[method-assign]

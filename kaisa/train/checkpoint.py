@@ -27,6 +27,7 @@ __all__ = [
     "load",
     "rng_state",
     "save",
+    "seed_rng",
     "set_rng_state",
     "verify",
 ]
@@ -37,6 +38,17 @@ REQUIRED = ("epoch", "steps", "train_time", "history", "model", "optimizer", "sc
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be resumed from; the message is one line naming the file."""
+
+
+def seed_rng(seed: int) -> None:
+    """Seed every generator :func:`rng_state` captures: Python, NumPy, torch (and CUDA).
+
+    So a checkpoint's states are a function of the seed and the steps taken (Python's
+    and NumPy's would otherwise start from the operating system's entropy).
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:

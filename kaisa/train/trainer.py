@@ -94,7 +94,7 @@ def model_for(options: argparse.Namespace, data: Dataset) -> nn.Module:
 
 def build(options: argparse.Namespace, data: Dataset, context: DistContext) -> nn.Module:
     """Build the model of ``options`` seeded with ``options.seed`` (same for every config)."""
-    torch.manual_seed(options.seed)
+    checkpoint.seed_rng(options.seed)
     return model_for(options, data).to(context.device)
 
 
@@ -236,11 +236,13 @@ class Trainer:
             "train_time": result.train_time,
             "history": result.history,
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            # K-FAC: with the decompositions other ranks hold (MEM-OPT, HYBRID-OPT)
+            "optimizer": (cast(Any, self.optimizer).state_dict(gather=True)
+                          if self.kfac_optimizer else self.optimizer.state_dict()),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(),
             "preconditioner": (
-                self.pre.state_dict()
+                self.pre.state_dict(gather=True)
                 if self.pre is not None and not self.kfac_optimizer
                 else None
             ),
