@@ -107,7 +107,10 @@ def test_lm_task_compares_adamw_and_kfac_and_writes_metrics(tmp_path: Path) -> N
     assert [(r["config"], r["epoch"]) for r in records] == [
         ("adamw", 0), ("adamw", 1), ("kfac", 0), ("kfac", 1)
     ]
-    assert records[0]["test_loss"] == records[2]["test_loss"]  # same initial weights
+    # same initial weights; not bit-equal: while kaisa's hooks are attached the evaluation
+    # cannot take nn.TransformerEncoderLayer's fused inference path (torch skips it for any
+    # module with forward hooks), whose float32 rounding differs on some CPUs
+    assert records[0]["test_loss"] == pytest.approx(records[2]["test_loss"], rel=1e-6)
     for record in records[1::2]:
         assert record["step"] == 2 and record["test_loss"] < records[0]["test_loss"]
         assert record["test_bpb"] == pytest.approx(record["test_loss"] / 0.6931471805599453)
