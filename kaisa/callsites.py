@@ -26,9 +26,13 @@ functions (``_in_projection_packed``, ``_in_projection``) are copied the same wa
 computation is the same function's, so the outputs are bit-identical; the tap only looks.
 Inside an opened function, observations are given to blocks sequence-first, as
 ``(positions, N, features)`` with ``N`` the call's batch size (MHA's layout: its
-``out_proj`` product flattens ``(L, N)`` into rows). A functional call whose rows overlap
-a site's rows without containing them (a self-attention block called as cross-attention)
-records nothing for that site and is reported once.
+``out_proj`` product flattens ``(L, N)`` into rows). Calls that each compute part of a
+site's rows, together all of them, from one input (the same tensor data: torch's
+unbatched self-attention projects ``query.unsqueeze(1)``, ``key.unsqueeze(1)`` and
+``value.unsqueeze(1)`` with the three thirds of the packed weight) are one observation
+whose output gradient is their gradients side by side (:func:`hook_outputs`). A call
+whose rows overlap a site's rows otherwise (a self-attention block called as
+cross-attention) records nothing for that site and is reported once.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["CallSite", "Cut", "FunctionalTap"]
+__all__ = ["CallSite", "Cut", "FunctionalTap", "hook_outputs"]
 
 K = TypeVar("K")
 
@@ -69,6 +73,12 @@ class CallSite:
     rows: slice | None = None
     mismatch: str = ""
 
+    def row_range(self) -> tuple[int, int]:
+        """``(start, stop)`` of the rows of ``weight`` the block covers."""
+        if self.rows is not None:
+            return self.rows.start, self.rows.stop
+        return 0, 0 if self.weight is None else int(self.weight.shape[0])
+
 
 class Cut(NamedTuple):
     """How one functional observation's tensors reach its block.
@@ -90,6 +100,50 @@ class Cut(NamedTuple):
         """The product's output gradient in the block's layout, cut to its features."""
         d = self.input(d)
         return d if self.cols is None else d[..., self.cols]
+
+
+def hook_outputs(
+    outputs: Sequence[torch.Tensor], hook: Callable[[torch.Tensor], None]
+) -> None:
+    """Calls ``hook`` with the gradient of ``outputs`` side by side (last dimension).
+
+    One output: its own gradient hook. Several (the parts of one observation): each part's
+    gradient is kept until every part's has arrived in the backward pass, then ``hook``
+    gets them concatenated (once per backward pass).
+    """
+    if len(outputs) == 1:
+        outputs[0].register_hook(hook)  # type: ignore[no-untyped-call]
+        return
+    grads: list[torch.Tensor | None] = [None] * len(outputs)
+
+    def part(i: int) -> Callable[[torch.Tensor], None]:
+        def keep(grad: torch.Tensor) -> None:
+            grads[i] = grad
+            if all(g is not None for g in grads):
+                whole = torch.cat([g for g in grads if g is not None], dim=-1)
+                grads[:] = [None] * len(grads)
+                hook(whole)
+
+        return keep
+
+    for i, out in enumerate(outputs):
+        out.register_hook(part(i))  # type: ignore[no-untyped-call]
+
+
+class _Parts(NamedTuple):
+    """Calls that each computed part of a site's rows, in one forward of the module."""
+
+    key: Any
+    site: CallSite
+    x: torch.Tensor
+    calls: list[tuple[int, int, torch.Tensor]]  # (start, stop, output)
+
+
+def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+        and a.dtype == b.dtype and a.device == b.device
+    )
 
 
 #: The tap and the batch size of the opened function running now (``None``: none).
@@ -195,8 +249,10 @@ class FunctionalTap(Generic[K]):
         sites: ``(key, site)`` of every functional site on ``module``; ``key`` is what
             ``observe`` and ``mismatch`` are given.
         active: Whether a call of the module is to be observed (checked at its start).
-        observe: Called with ``(key, input, output, cut)`` per observation.
-        mismatch: Called with ``(key, site)`` for a call that uses part of a site's rows.
+        observe: Called with ``(key, input, outputs, cut)`` per observation (several
+            outputs: parts of the site's rows, in row order; see :func:`hook_outputs`).
+        mismatch: Called with ``(key, site)`` when calls use part of a site's rows (and
+            not all of them from one input).
     """
 
     def __init__(
@@ -205,7 +261,7 @@ class FunctionalTap(Generic[K]):
         sites: Sequence[tuple[K, CallSite]],
         *,
         active: Callable[[nn.Module], bool],
-        observe: Callable[[K, torch.Tensor, torch.Tensor, Cut], None],
+        observe: Callable[[K, torch.Tensor, tuple[torch.Tensor, ...], Cut], None],
         mismatch: Callable[[K, CallSite], None],
     ) -> None:
         self._module = module
@@ -220,6 +276,7 @@ class FunctionalTap(Generic[K]):
         self._observe = observe
         self._mismatch = mismatch
         self._modes: list[_Mode | None] = []
+        self._parts: dict[int, _Parts] = {}
 
     def install(self) -> list[RemovableHandle]:
         """Puts the pre-hook and the (always called) forward hook on the module."""
@@ -238,6 +295,10 @@ class FunctionalTap(Generic[K]):
         mode = self._modes.pop() if self._modes else None
         if mode is not None:
             mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        if not self._modes:
+            parts, self._parts = self._parts, {}
+            for key, site, _, _ in parts.values():  # never completed: not recorded
+                self._mismatch(key, site)
 
     def linear(
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, batch: int | None
@@ -251,14 +312,31 @@ class FunctionalTap(Generic[K]):
             return out
         param, start, stop = found
         for key, site in self._sites[id(param)]:
-            rows = site.rows
-            r0, r1 = (0, param.shape[0]) if rows is None else (rows.start, rows.stop)
+            r0, r1 = site.row_range()
             if start <= r0 and r1 <= stop:
                 cols = None if (r0, r1) == (start, stop) else slice(r0 - start, r1 - start)
-                self._observe(key, x, out, Cut(batch, cols))
+                self._observe(key, x, (out,), Cut(batch, cols))
+            elif r0 <= start and stop <= r1:
+                self._part(key, site, x, out, start, stop, batch)
             elif r0 < stop and start < r1:
                 self._mismatch(key, site)
         return out
+
+    def _part(self, key: K, site: CallSite, x: torch.Tensor, out: torch.Tensor, start: int,
+              stop: int, batch: int | None) -> None:
+        """Keeps a call that computed part of ``site``'s rows; observes the completed set."""
+        parts = self._parts.setdefault(id(site), _Parts(key, site, x, []))
+        if not _same_data(parts.x, x) or any(a < stop and start < b for a, b, _ in parts.calls):
+            self._mismatch(key, site)  # another input (cross-attention), or rows twice
+            parts.calls.clear()
+            return
+        parts.calls.append((start, stop, out))
+        parts.calls.sort(key=lambda call: call[0])
+        r0, r1 = site.row_range()
+        edges = [r0] + [b for _, b, _ in parts.calls]
+        if edges[-1] == r1 and all(a == edges[i] for i, (a, _, _) in enumerate(parts.calls)):
+            del self._parts[id(site)]
+            self._observe(key, parts.x, tuple(o for _, _, o in parts.calls), Cut(batch, None))
 
     def _rows(self, w: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
         """``(parameter, start, stop)`` when ``w`` is a watched parameter or its rows."""

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from kaisa.blocks import CurvatureBlock
-from kaisa.callsites import CallSite, Cut, FunctionalTap
+from kaisa.callsites import CallSite, Cut, FunctionalTap, hook_outputs
 
 __all__ = ["StatisticsRecorder", "full_precision", "loss_scale"]
 
@@ -182,26 +182,27 @@ class StatisticsRecorder:
                 return
             if not args or not isinstance(args[0], torch.Tensor):
                 return  # e.g. a keyword-only call: nothing to record, never raise
-            self._observe(layer, site, args[0].detach(), output, None)
+            self._observe(layer, site, args[0].detach(), (output,), None)
 
         return hook
 
     def _observe_call(
-        self, key: tuple[CurvatureBlock, int], x: torch.Tensor, output: torch.Tensor, cut: Cut
+        self, key: tuple[CurvatureBlock, int], x: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...], cut: Cut,
     ) -> None:
         """One functional observation (:class:`~kaisa.callsites.FunctionalTap`)."""
         layer, site = key
-        self._observe(layer, site, cut.input(x.detach()), output, cut)
+        self._observe(layer, site, cut.input(x.detach()), outputs, cut)
 
     def _observe(
-        self, layer: CurvatureBlock, site: int, x: torch.Tensor, output: torch.Tensor,
-        cut: Cut | None,
+        self, layer: CurvatureBlock, site: int, x: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...], cut: Cut | None,
     ) -> None:
         """Records one use of ``layer`` at its call site ``site``; hooks the output gradient."""
         name = layer.name
         self._forward_calls[name] = self._forward_calls.get(name, 0) + 1
         self._timed(self._record_input, layer, x, site)
-        output.register_hook(self._grad_hook(layer, x, site, cut))  # type: ignore[no-untyped-call]
+        hook_outputs(outputs, self._grad_hook(layer, x, site, cut))
 
     def _mismatch(self, key: tuple[CurvatureBlock, int], site: CallSite) -> None:
         name = key[0].name
