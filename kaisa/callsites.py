@@ -33,6 +33,15 @@ unbatched self-attention projects ``query.unsqueeze(1)``, ``key.unsqueeze(1)`` a
 whose output gradient is their gradients side by side (:func:`hook_outputs`). A call
 whose rows overlap a site's rows otherwise (a self-attention block called as
 cross-attention) records nothing for that site and is reported once.
+
+``nn.MultiheadAttention``'s paths in torch 2.13, all inside
+``F.multi_head_attention_forward``: ``_in_projection_packed`` with one product (query is
+key is value), two (rows ``0:E`` on the query, ``E:3E`` on the key, which is the value) or
+three (thirds, all different; also unbatched self-attention, above), ``_in_projection``
+with the separate ``q/k/v_proj_weight``, and the ``out_proj`` product on either attention
+branch (``need_weights`` or ``scaled_dot_product_attention``). The fast path
+(``torch._native_multi_head_attention``) runs only in eval mode or without gradients, where
+nothing is recorded and no mode is pushed, so it is untouched.
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kfac-layer-kinds", default=None, metavar="KINDS",
         help="block kinds to register: all, or a comma list of linear, conv2d, conv1d, "
-        "scale_shift (default: linear,conv2d for +kfac, all for --optimizer kfac)",
+        "scale_shift, attention (default: linear,conv2d for +kfac, all for --optimizer kfac)",
     )
     group.add_argument(
         "--kfac-update-factors-in-hook",
