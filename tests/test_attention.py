@@ -584,27 +584,29 @@ def test_forward_and_attention_kernel_are_those_of_the_model_without_kaisa(
 def test_a_forward_that_raises_leaves_nothing_installed() -> None:
     torch.manual_seed(15)
     model = _Attend(nn.MultiheadAttention(E, H, batch_first=True))
-    pre = kaisa.KFACPreconditioner(model, layer_kinds=("attention",))
+    pre = kaisa.KFACPreconditioner(model, layer_kinds=("attention",), factor_update_steps=2)
     x = _inputs(True, src=L)
     depth = torch._C._len_torch_function_stack()
     with pytest.raises(RuntimeError, match="attn_mask"):  # raised after the in-projection
         model(x, x, x, attn_mask=torch.zeros(L + 1, L))
     assert torch._C._len_torch_function_stack() == depth
     pre.discard_step()  # what the in-projection recorded before the error
+    seen: list[int] = []  # the stack inside MHA's forward (after kaisa's pre-hook)
+    model.attn.register_forward_pre_hook(
+        lambda *_: seen.append(torch._C._len_torch_function_stack()))
     model(x, x, x).sum().backward()  # the next forward records as usual
     pre.step()
     assert pre.layers["attn.in_proj"].a is not None
-    # not recording (eval mode, no grad, a non-factor step): no mode is pushed
+    model(x, x, x).sum().backward()  # step 1: not a factor-update step
+    pre.step()
     model.eval()
-    seen: list[int] = []
-    handle = model.attn.register_forward_hook(
-        lambda *_: seen.append(torch._C._len_torch_function_stack()))
     model(x, x, x)
     model.train()
     with torch.no_grad():
         model(x, x, x)
-    handle.remove()
-    assert seen == [depth, depth]
+    model(x, x, x)  # step 2 records
+    assert seen == [depth + 1, depth, depth, depth, depth + 1]
+    assert torch._C._len_torch_function_stack() == depth
 
 
 def test_mha_fast_path_in_eval_is_untouched() -> None:
