@@ -742,3 +742,76 @@ def test_cross_attention_setting_is_validated_and_accepted_by_both_products() ->
     assert not any("encoder.self_attn.q_proj" in n for n in skipped.layers)  # shared weight
     assert skipped.coverage()["encoder.self_attn.in_proj_weight"] == "first-order"
 
+
+
+# ---------------------------------------------------------------------- several ranks
+class _Pair(nn.Module):
+    """A self-attention and a cross-attention MHA (the cross one with separate k/v dims)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(E, H, batch_first=True)
+        self.cross = nn.MultiheadAttention(E, H, batch_first=True)
+        self.side = nn.MultiheadAttention(E, H, kdim=5, vdim=5, batch_first=True)
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor, extra: torch.Tensor
+                ) -> torch.Tensor:
+        h = x + self.self_attn(x, x, x, need_weights=False)[0]
+        h = h + self.cross(h, mem, mem)[0]
+        return h + self.side(h, extra, extra)[0]
+
+
+def _pair_data(world: int, step: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(100 + step)
+    n = 2 * world
+    return (torch.randn(n, L, E, generator=g), torch.randn(n, S, E, generator=g),
+            torch.randn(n, S, 5, generator=g), torch.randn(n, L, E, generator=g))
+
+
+def _pair_train(world: int, rank: int | None, strategy: str) -> list[torch.Tensor]:
+    """Three steps; ``rank=None``: one process on the global batch (loss and grads scaled)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _Pair().double()
+    pre = kaisa.KFACPreconditioner(model, layer_kinds=("attention",), cross_attention="cross",
+                                   grad_worker_fraction=strategy, inv_dtype=torch.float64,
+                                   factor_decay=0.9, damping=0.01, kl_clip=0.05, lr=0.1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        batch = [t.double() for t in _pair_data(world, step)]
+        if rank is not None:
+            batch = [t[2 * rank: 2 * rank + 2] for t in batch]
+        x, mem, extra, y = batch
+        sgd.zero_grad()
+        loss = F.mse_loss(model(x, mem, extra), y)
+        (loss * (world if rank is None else 1)).backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            if rank is None:
+                p.grad /= world
+            else:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        pre.step()
+        sgd.step()
+    assert len(pre.layers) == 10 and all(b.a is not None for b in pre.layers.values())
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _pair_job(rank: int, world: int, strategy: str) -> list[torch.Tensor]:
+    torch.set_default_dtype(torch.float64)
+    return _pair_train(world, rank, strategy)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", ["comm_opt", "mem_opt"])
+def test_attention_blocks_on_two_ranks_equal_one_process(strategy: str) -> None:
+    from tests.support.dist import run_distributed
+
+    results = run_distributed(_pair_job, 2, strategy, timeout=170)
+    ref = _pair_train(2, None, strategy)
+    for params in results:
+        for p, q in zip(params, ref, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-8, atol=1e-10)
