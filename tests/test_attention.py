@@ -22,9 +22,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kaisa
-from kaisa.blocks import AttentionBlock, LinearBlock
-from kaisa.callsites import CallSite
-from kaisa.hooks import StatisticsRecorder
+from kaisa.blocks import AttentionBlock
+from tests.support.explicit import kron_solve, linear_g_batch, rows_a
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -116,17 +115,11 @@ def _reference(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
 
 
 def _a(x: torch.Tensor, bias: bool) -> torch.Tensor:
-    """``Xb^T Xb / M`` of rows ``x`` (any leading dimensions)."""
-    x = x.reshape(-1, x.shape[-1])
-    if bias:
-        x = torch.cat([x, torch.ones(x.shape[0], 1)], dim=1)
-    return x.T @ x / x.shape[0]
+    return rows_a(x, bias=bias)
 
 
 def _g(d: torch.Tensor) -> torch.Tensor:
-    """``D^T D / M`` of rows ``d``."""
-    d = d.reshape(-1, d.shape[-1])
-    return d.T @ d / d.shape[0]
+    return linear_g_batch(d)[0]
 
 
 def _a_reduce(x: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -314,13 +307,6 @@ def test_self_attention_called_as_cross_attention_records_nothing_and_warns_once
 
 
 # ---------------------------------------------------------------------- preconditioning
-def _explicit_precondition(a: torch.Tensor, g: torch.Tensor, grad: torch.Tensor,
-                           damping: float) -> torch.Tensor:
-    """``(G kron A + damping I)^-1 vec(grad)``, row-major."""
-    m = torch.kron(g, a) + damping * torch.eye(g.shape[0] * a.shape[0])
-    return torch.linalg.solve(m, grad.reshape(-1)).reshape(grad.shape)
-
-
 @pytest.mark.parametrize("layout", ["self", "cross", "separate"])
 def test_preconditioned_gradients_are_the_explicit_solves_rows_and_biases_included(
     layout: str,
@@ -347,7 +333,7 @@ def test_preconditioned_gradients_are_the_explicit_solves_rows_and_biases_includ
     def check(block: str, weight: str, bias: str, rows: slice, wrows: slice) -> None:
         a, g = _factors(pre, f"attn.{block}")
         grad = torch.cat([raw[weight][wrows], raw[bias][rows, None]], dim=1)
-        want = _explicit_precondition(a, g, grad, 0.01)
+        want = kron_solve(g, a, grad, 0.01)
         torch.testing.assert_close(got[weight][wrows], want[:, :-1], **TIGHT)
         torch.testing.assert_close(got[bias][rows], want[:, -1], **TIGHT)
 
@@ -389,7 +375,7 @@ def test_kfac_direction_assembles_row_blocks_of_a_shared_parameter() -> None:
         assert a is not None and g is not None
         grad = torch.cat([grads[f"attn.{name}_weight"], grads["attn.in_proj_bias"][rows, None]],
                          dim=1)
-        want = _explicit_precondition(a, g, grad, opt.damping)
+        want = kron_solve(g, a, grad, opt.damping)
         torch.testing.assert_close(got[f"attn.{name}_weight"], want[:, :-1], **TIGHT)
         torch.testing.assert_close(bias[rows], want[:, -1], **TIGHT)
     assert not torch.equal(grads["attn.in_proj_bias"], bias)  # the raw gradient is untouched
@@ -621,108 +607,6 @@ def test_mha_fast_path_in_eval_is_untouched() -> None:
         want = plain(x, x, x)
     assert torch.equal(out, want) and ops_kaisa.names == ops_plain.names
     assert any("native_multi_head_attention" in n for n in ops_plain.names)
-
-
-# ---------------------------------------------------------------------- call sites
-class _Twice(LinearBlock):
-    """A test kind: one Linear weight observed through two modules that share it."""
-
-    def __init__(self, first: nn.Linear, second: nn.Linear) -> None:
-        self.second = second
-        super().__init__(name="shared", module=first, factor_dtype=None)
-        self.seen: list[int] = []
-
-    def call_sites(self) -> tuple[CallSite, ...]:
-        return (CallSite(self.module), CallSite(self.second))
-
-    def record_input(self, x: torch.Tensor, *, in_hook: bool, site: int = 0) -> None:
-        self.seen.append(site)
-        super().record_input(x, in_hook=in_hook, site=site)
-
-
-class _Functional(LinearBlock):
-    """A test kind: rows ``2:5`` of a weight a parent uses with ``F.linear`` in its forward."""
-
-    def __init__(self, parent: nn.Module, linear: nn.Linear) -> None:
-        self.parent = parent
-        super().__init__(name="rows", module=linear, factor_dtype=None)
-        self.rows = (slice(2, 5), slice(2, 5))
-
-    def call_sites(self) -> tuple[CallSite, ...]:
-        return (CallSite(self.parent, weight=self.module.weight, rows=slice(2, 5),
-                         mismatch="rows 2:5 used in part"),)
-
-
-@pytest.mark.parametrize("in_hook", [True, False])
-def test_a_block_observed_through_two_modules_learns_the_site_of_each_use(
-    in_hook: bool,
-) -> None:
-    first = nn.Linear(4, 3)
-    second = nn.Linear(4, 3)
-    second.weight, second.bias = first.weight, first.bias
-    block = _Twice(first, second)
-    done: list[str] = []
-    ends: list[int] = []
-    recorder = StatisticsRecorder({"shared": block}, in_hook=in_hook, grad_scaler=None,
-                                  accumulation_steps=1,
-                                  on_layer_done=lambda b: done.append(b.name),
-                                  on_backward_end=lambda: ends.append(1),
-                                  timings={"factors": 0.0})
-    recorder.recording = True
-    x1, x2 = torch.randn(5, 4), torch.randn(2, 4)
-    y1, y2 = first(x1), second(x2)
-    y1.retain_grad()
-    y2.retain_grad()
-    (y1.square().sum() + y2.sin().sum()).backward()
-    recorder.compute_saved()
-    assert block.seen == ([0, 1] if in_hook else [0, 1, 0, 1])
-    assert (ends, done) == (([1], ["shared"]) if in_hook else ([], []))  # as for every block
-    a, g = block.stats.take()
-    assert a is not None and g is not None
-    torch.testing.assert_close(a[0], (_a(x1, True) + _a(x2, True)) / 2, **TIGHT)
-    assert y1.grad is not None and y2.grad is not None
-    torch.testing.assert_close(g[0], (_g(y1.grad) + _g(y2.grad)) / 2, **TIGHT)
-    recorder.remove()
-
-
-def test_a_block_observed_through_functional_calls_gets_its_rows_of_the_product() -> None:
-    class Parent(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(4, 6)
-
-        def forward(self, x: torch.Tensor, part: bool = False) -> torch.Tensor:
-            w, b = self.proj.weight, self.proj.bias
-            if part:  # rows 3:6 only: overlaps the block's rows 2:5 without containing them
-                return F.linear(x, w[3:], b[3:])
-            return F.linear(x, w[1:], b[1:]).tanh()  # rows 1:6 contain the block's
-
-    parent = Parent()
-    block = _Functional(parent, parent.proj)
-    recorder = StatisticsRecorder({"rows": block}, in_hook=True, grad_scaler=None,
-                                  accumulation_steps=1, on_layer_done=lambda b: None,
-                                  on_backward_end=lambda: None, timings={"factors": 0.0})
-    recorder.recording = True
-    x = torch.randn(7, 4)
-    z = F.linear(x, parent.proj.weight[1:], parent.proj.bias[1:])
-    z.retain_grad()
-    z.tanh().sum().backward()
-    parent.zero_grad()
-    parent(x).sum().backward()
-    a, g = block.stats.take()
-    assert a is not None and g is not None and z.grad is not None
-    torch.testing.assert_close(a[0], _a(x, True), **TIGHT)
-    torch.testing.assert_close(g[0], _g(z.grad[:, 1:4]), **TIGHT)  # rows 2:5 of 1:6
-    with pytest.warns(RuntimeWarning, match="rows 2:5 used in part"):
-        parent(x, part=True).sum().backward()
-    assert not block.stats.has_factors
-    grad = block.gradient_matrix()
-    assert grad is not None and grad.shape == (1, 3, 5)
-    assert parent.proj.weight.grad is not None and parent.proj.bias.grad is not None
-    torch.testing.assert_close(grad[0, :, :4], parent.proj.weight.grad[2:5], **TIGHT)
-    block.write_grad(torch.zeros(1, 3, 5))
-    assert not parent.proj.weight.grad[2:5].any() and parent.proj.weight.grad[5].any()
-    recorder.remove()
 
 
 def test_cross_attention_setting_is_validated_and_accepted_by_both_products() -> None:
