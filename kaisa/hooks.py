@@ -170,13 +170,14 @@ class StatisticsRecorder:
 
     # ------------------------------------------------------------------ hooks
     def _active(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` is observed now (the one rule for every site)."""
         return module.training and torch.is_grad_enabled() and self.recording
 
     def _forward_hook(
         self, layer: CurvatureBlock, site: int
     ) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not (module.training and torch.is_grad_enabled() and self.recording):
+            if not self._active(module):
                 return
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
