@@ -234,6 +234,11 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         "scale_shift, attention (default: linear,conv2d for +kfac, all for --optimizer kfac)",
     )
     group.add_argument(
+        "--kfac-cross-attention", default=None, metavar="REGEXES",
+        help="comma-separated regular expressions naming the nn.MultiheadAttention modules with "
+        "the cross-attention layout (default: every TransformerDecoderLayer.multihead_attn)",
+    )
+    group.add_argument(
         "--kfac-update-factors-in-hook",
         action=argparse.BooleanOptionalAction,
         default=True,
