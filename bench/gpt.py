@@ -214,8 +214,7 @@ def train_one(
 
 
 def _coverage(optimizer: Any, model: nn.Module) -> dict[str, Any]:
-    """Share of parameter elements in K-FAC blocks (``coverage()``; out_proj's hooks under
-    ``nn.MultiheadAttention`` never fire, so it is registered but not preconditioned)."""
+    """Share of parameter elements in K-FAC blocks (``coverage()``)."""
     table = optimizer.coverage()
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     covered = sum(sizes.get(name, 0) for name, kind in table.items() if kind != "first-order")

@@ -86,9 +86,16 @@ class KFACConfig:
             default) or ``'reduce'`` (one row per example; Eschenhagen et al., 2023).
         layer_kinds: The block kinds to register: kfac-pytorch's ``('linear', 'conv2d')``
             by default (the reference's math), ``'all'`` for every kind (adds
-            ``'conv1d'``, ``'embedding'`` and ``'scale_shift'``: LayerNorm, RMSNorm,
-            BatchNorm affine), or
-            a tuple of kind names; stored as a tuple.
+            ``'conv1d'``, ``'embedding'``, ``'scale_shift'``: LayerNorm, RMSNorm, BatchNorm affine,
+            and
+            ``'attention'``: ``nn.MultiheadAttention``'s projections), or a tuple of kind
+            names; stored as a tuple.
+        cross_attention: Which ``nn.MultiheadAttention`` modules have the
+            cross-attention layout (three in-projection blocks, query and key/value
+            apart; ``docs/conventions.md``): ``None`` for every
+            ``nn.TransformerDecoderLayer.multihead_attn`` (the default), or regular
+            expressions of module names (a string or a list; stored as a tuple) naming
+            exactly those modules. Every other MHA has the self-attention layout.
         loglevel: Logging level of the informational messages.
         collective_timeout: Seconds a K-FAC collective (factor averages, decomposition
             and gradient broadcasts, control reductions) may wait for its peers before it
@@ -121,9 +128,12 @@ class KFACConfig:
     update_factors_in_hook: bool = True
     kfac_approx: KFACApprox = KFACApprox.EXPAND
     layer_kinds: str | tuple[str, ...] = REFERENCE_KINDS
+    cross_attention: str | tuple[str, ...] | None = None
     loglevel: int = logging.DEBUG
     collective_timeout: float | None = None
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+    cross_attention_patterns: tuple[re.Pattern[str], ...] | None = field(
+        init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -186,6 +196,16 @@ class KFACConfig:
             set_(self, "skip_patterns", tuple(re.compile(p) for p in patterns))
         except re.error as err:
             raise ValueError(f"skip_layers has an invalid regular expression: {err}") from None
+        cross = self.cross_attention
+        if cross is not None:
+            cross = _parse_patterns("cross_attention", cross)
+        set_(self, "cross_attention", cross)
+        try:
+            set_(self, "cross_attention_patterns",
+                 None if cross is None else tuple(re.compile(p) for p in cross))
+        except re.error as err:
+            raise ValueError(f"cross_attention has an invalid regular expression: {err}"
+                             ) from None
 
     @classmethod
     def keywords(cls) -> tuple[str, ...]:
@@ -274,8 +294,12 @@ def _parse_layer_kinds(value: object) -> tuple[str, ...]:
 def _parse_skip_layers(skip_layers: object) -> tuple[str, ...]:
     if skip_layers is None:
         return ()
-    if isinstance(skip_layers, str):
-        return (skip_layers,)
-    if isinstance(skip_layers, (list, tuple)) and all(isinstance(p, str) for p in skip_layers):
-        return tuple(skip_layers)
-    raise ValueError(f"skip_layers must be a str or a list of str, got {skip_layers!r}")
+    return _parse_patterns("skip_layers", skip_layers)
+
+
+def _parse_patterns(name: str, value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        return tuple(value)
+    raise ValueError(f"{name} must be a str or a list of str, got {value!r}")

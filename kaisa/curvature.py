@@ -80,7 +80,8 @@ class KFACCurvature:
         self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
         self._warned_silent: set[str] = set()
         blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype,
-                                 kfac_approx=config.kfac_approx, kinds=config.layer_kinds)
+                                 kfac_approx=config.kfac_approx, kinds=config.layer_kinds,
+                                 cross_attention=config.cross_attention_patterns)
         # Before anything a rank could refuse alone: every rank raises or none does.
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         layers = [(name, b.kind, tuple(b.dims)) for name, b in blocks.items()]
@@ -406,8 +407,8 @@ class KFACCurvature:
                 self._warned_silent.add(name)
                 msg = (
                     f"kaisa: the hooks of registered layer {name!r} "
-                    f"({type(block.module).__name__}) did not fire (is it called "
-                    "functionally, like nn.MultiheadAttention.out_proj?); it is left "
+                    f"({type(block.module).__name__}) did not fire (is its weight used "
+                    "functionally, without calling the module?); it is left "
                     "unpreconditioned until they do"
                 )
                 warnings.warn(msg, RuntimeWarning, stacklevel=5)

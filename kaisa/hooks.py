@@ -1,12 +1,17 @@
 """Recording K-FAC statistics: module hooks, micro-batch counting, end of backward.
 
-:class:`StatisticsRecorder` puts a forward hook on every registered module. While
-recording (training mode, gradients on, :attr:`StatisticsRecorder.recording` set by the
-curvature core for a factor-update step), the forward hook turns the
-module's input into a batch A factor (or keeps the input when factors are computed in
-``step()``) and hooks the output's gradient, which turns into a batch G factor. It counts
-forward calls and output gradients per layer and micro-batches per step, and tells its
-listener
+:class:`StatisticsRecorder` observes every registered block at its call sites
+(:mod:`kaisa.callsites`, :meth:`~kaisa.blocks.CurvatureBlock.call_sites`): by default the
+block's own module, through one forward hook; a block may also be observed through
+several modules (one forward hook each), or through the ``F.linear`` calls made inside a
+module's forward (one :class:`~kaisa.callsites.FunctionalTap` per such module, active
+only while recording). Every observation, whatever its site, takes one path
+(``_observe``): while recording (training mode, gradients on,
+:attr:`StatisticsRecorder.recording` set by the curvature core for a factor-update step)
+the block records the input (a batch A factor, or the input kept when factors are
+computed in ``step()``), told the index of the site it came from, and the output's
+gradient is hooked, which turns into a batch G factor. It counts observations and output
+gradients per block and micro-batches per step, and tells its listener
 
 * ``on_layer_done(layer)`` as soon as a layer's last output gradient of the step's last
   micro-batch has been recorded (the engine starts that layer's factor allreduce while
@@ -22,7 +27,9 @@ execution (tests/test_compile.py).
 
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -31,8 +38,11 @@ import torch
 from torch import nn
 
 from kaisa.blocks import CurvatureBlock
+from kaisa.callsites import CallSite, Cut, FunctionalTap, hook_outputs
 
 __all__ = ["StatisticsRecorder", "full_precision", "loss_scale"]
+
+logger = logging.getLogger("kaisa")
 
 
 def loss_scale(grad_scaler: Any) -> float | torch.Tensor:
@@ -116,10 +126,20 @@ class StatisticsRecorder:
         self._micro_batches = 0
         self._passes_done = 0
         self._callback_queued = False
-        self._handles = [
-            layer.module.register_forward_hook(self._forward_hook(layer))
-            for layer in layers.values()
-        ]
+        self._warned: set[str] = set()
+        self._handles = []
+        functional: dict[nn.Module, list[tuple[tuple[CurvatureBlock, int], CallSite]]] = {}
+        for layer in layers.values():
+            for index, site in enumerate(layer.call_sites()):
+                if site.weight is None:
+                    self._handles.append(
+                        site.module.register_forward_hook(self._forward_hook(layer, index)))
+                else:
+                    functional.setdefault(site.module, []).append(((layer, index), site))
+        for module, sites in functional.items():
+            tap = FunctionalTap(module, sites, active=self._active, observe=self._observe_call,
+                                mismatch=self._mismatch)
+            self._handles.extend(tap.install())
 
     def remove(self) -> None:
         """Detaches every hook."""
@@ -141,39 +161,65 @@ class StatisticsRecorder:
             if not (stats.saved_inputs or stats.saved_grads):
                 continue
             with torch.no_grad(), full_precision(layer.weight):
-                for x in stats.saved_inputs:
-                    stats.add_a(layer.compute_a_batch(x))
-                for d, divisor in stats.saved_grads:
-                    stats.add_g(layer.compute_g_batch(d, divisor))
+                for x, site in stats.saved_inputs:
+                    layer.record_input(x, in_hook=True, site=site)
+                for d, divisor, site in stats.saved_grads:
+                    layer.record_output_grad(d, divisor, in_hook=True, inputs=None, site=site)
             stats.saved_inputs.clear()
             stats.saved_grads.clear()
 
     # ------------------------------------------------------------------ hooks
+    def _active(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` is observed now (the one rule for every site)."""
+        return module.training and torch.is_grad_enabled() and self.recording
+
     def _forward_hook(
-        self, layer: CurvatureBlock
+        self, layer: CurvatureBlock, site: int
     ) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not (module.training and torch.is_grad_enabled() and self.recording):
+            if not self._active(module):
                 return
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
             if not args or not isinstance(args[0], torch.Tensor):
                 return  # e.g. a keyword-only call: nothing to record, never raise
-            name = layer.name
-            self._forward_calls[name] = self._forward_calls.get(name, 0) + 1
-            x = args[0].detach()
-            self._timed(self._record_input, layer, x)
-            output.register_hook(self._grad_hook(layer, x))  # type: ignore[no-untyped-call]
+            self._observe(layer, site, args[0].detach(), (output,), None)
 
         return hook
 
+    def _observe_call(
+        self, key: tuple[CurvatureBlock, int], x: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...], cut: Cut,
+    ) -> None:
+        """One functional observation (:class:`~kaisa.callsites.FunctionalTap`)."""
+        layer, site = key
+        self._observe(layer, site, cut.input(x.detach()), outputs, cut)
+
+    def _observe(
+        self, layer: CurvatureBlock, site: int, x: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...], cut: Cut | None,
+    ) -> None:
+        """Records one use of ``layer`` at its call site ``site``; hooks the output gradient."""
+        name = layer.name
+        self._forward_calls[name] = self._forward_calls.get(name, 0) + 1
+        self._timed(self._record_input, layer, x, site)
+        hook_outputs(outputs, self._grad_hook(layer, x, site, cut))
+
+    def _mismatch(self, key: tuple[CurvatureBlock, int], site: CallSite) -> None:
+        name = key[0].name
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(site.mismatch, RuntimeWarning, stacklevel=2)
+            logger.warning("%s", site.mismatch)
+
     def _grad_hook(
-        self, layer: CurvatureBlock, x: torch.Tensor
+        self, layer: CurvatureBlock, x: torch.Tensor, site: int, cut: Cut | None
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self.g_passes == 0:
                 return
-            self._timed(self._record_grad, layer, grad.detach(), x)
+            d = grad.detach() if cut is None else cut.grad(grad.detach())
+            self._timed(self._record_grad, layer, d, x, site)
             if not self._in_hook:
                 return
             name = layer.name
@@ -198,21 +244,21 @@ class StatisticsRecorder:
         if self._micro_batches >= self._accumulation_steps:
             self._on_backward_end()
 
-    def _record_input(self, layer: CurvatureBlock, x: torch.Tensor) -> None:
+    def _record_input(self, layer: CurvatureBlock, x: torch.Tensor, site: int) -> None:
         with torch.no_grad(), full_precision(x):
-            layer.record_input(x, in_hook=self._in_hook)
+            layer.record_input(x, in_hook=self._in_hook, site=site)
 
-    def _record_grad(self, layer: CurvatureBlock, d: torch.Tensor, x: torch.Tensor) -> None:
+    def _record_grad(
+        self, layer: CurvatureBlock, d: torch.Tensor, x: torch.Tensor, site: int
+    ) -> None:
         divisor = self.divisor if self.divisor is not None else loss_scale(self._grad_scaler)
         with torch.no_grad(), full_precision(d):
-            layer.record_output_grad(d, divisor, in_hook=self._in_hook, inputs=x)
+            layer.record_output_grad(d, divisor, in_hook=self._in_hook, inputs=x, site=site)
 
-    def _timed(
-        self, fn: Callable[..., None], layer: CurvatureBlock, *tensors: torch.Tensor
-    ) -> None:
+    def _timed(self, fn: Callable[..., None], layer: CurvatureBlock, *args: Any) -> None:
         if torch.compiler.is_compiling():  # no host timers inside a compiled graph
-            fn(layer, *tensors)
+            fn(layer, *args)
             return
         start = time.perf_counter()
-        fn(layer, *tensors)
+        fn(layer, *args)
         self._timings["factors"] += time.perf_counter() - start

@@ -59,9 +59,9 @@ class KFAC(torch.optim.Optimizer):
     """K-FAC optimizer (see the module docstring for the algorithm).
 
     Args:
-        model: The model; its blocks (``layer_kinds``: Linear, Conv2d, Conv1d, Embedding by
-            default) are preconditioned, every other trainable parameter follows
-            ``first_order``.
+        model: The model; its blocks (``layer_kinds``: Linear, Conv2d, Conv1d, Embedding and
+            ``nn.MultiheadAttention`` projections by default)
+            are preconditioned, every other trainable parameter follows ``first_order``.
         loss: ``'mse'`` or ``'cross_entropy'`` (``torch.nn.functional``'s).
         reduction: ``'mean'`` or ``'sum'``.
         curvature: ``'mc'`` (sampled targets, the default), ``'type2'`` (their
@@ -329,9 +329,17 @@ class KFAC(torch.optim.Optimizer):
         directions = list(raw)
         index = {id(p): i for i, p in enumerate(params)}
         for block, matrix in guarded_directions(results, kl_clip=None, lr=1.0):
-            for p, part in zip(block.parameters(), block.split(matrix), strict=True):
-                if id(p) in index:  # not a frozen parameter
-                    directions[index[id(p)]] = part
+            for p, part, rows in zip(block.parameters(), block.split(matrix),
+                                     block.row_slices(), strict=True):
+                if id(p) not in index:  # a frozen parameter
+                    continue
+                i = index[id(p)]
+                if rows is None:
+                    directions[i] = part
+                else:  # the block's rows of a parameter several blocks share
+                    if directions[i] is raw[i]:
+                        directions[i] = raw[i].clone()
+                    directions[i][rows] = part
         return raw, directions
 
     def _adapt_damping(

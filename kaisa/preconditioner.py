@@ -78,6 +78,7 @@ class KFACPreconditioner:
         update_factors_in_hook: bool = True,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
         layer_kinds: str | tuple[str, ...] = REFERENCE_KINDS,
+        cross_attention: str | list[str] | None = None,
         loglevel: int = logging.DEBUG,
         collective_timeout: float | None = None,
     ) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 import kaisa
 from kaisa.blocks import (
     BLOCK_KINDS,
+    AttentionBlock,
     BatchStatistics,
     Conv1dBlock,
     Conv2dBlock,
@@ -35,7 +36,7 @@ class _Net(nn.Module):
 
 def test_registry_picks_kinds_skips_frozen_unsupported_and_patterns() -> None:
     assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock,
-                                 ScaleShiftBlock]
+                                 ScaleShiftBlock, AttentionBlock]
     with pytest.warns(RuntimeWarning, match=r"'circ'.*padding_mode='circular'"):
         layers = register_blocks(_Net())
     assert {n: type(la) for n, la in layers.items()} == {

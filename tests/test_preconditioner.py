@@ -272,35 +272,34 @@ def test_inverse_method_nan_factor_falls_back(monkeypatch):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_multihead_attention_out_proj_left_unpreconditioned():
+def test_layer_used_functionally_warns_once_and_is_left_unpreconditioned():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = nn.Linear(4, 8)
-            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.side = nn.Linear(8, 8)  # its weight is used, the module never called
             self.head = nn.Linear(8, 3)
 
         def forward(self, x):
-            h = self.embed(x)
-            h, _ = self.attn(h, h, h)
-            return self.head(h.mean(1))
+            h = torch.tanh(F.linear(self.embed(x), self.side.weight, self.side.bias))
+            return self.head(h)
 
     torch.manual_seed(0)
     net = Net()
     pre = kaisa.KFACPreconditioner(net)
-    assert "attn.out_proj" in pre.layers
+    assert "side" in pre.layers
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
             opt.zero_grad()
-            net(torch.randn(5, 6, 4)).square().mean().backward()
-            raw = net.attn.out_proj.weight.grad.clone()
+            net(torch.randn(5, 4)).square().mean().backward()
+            raw = net.side.weight.grad.clone()
             pre.step()
-            assert torch.equal(raw, net.attn.out_proj.weight.grad)
+            assert torch.equal(raw, net.side.weight.grad)
             opt.step()
-    named = [w for w in caught if "attn.out_proj" in str(w.message)]
-    assert len(named) == 1
+    named = [w for w in caught if "'side'" in str(w.message)]
+    assert len(named) == 1 and "did not fire" in str(named[0].message)
     assert pre.layers["head"].has_decomposition()
 
 

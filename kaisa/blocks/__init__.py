@@ -1,7 +1,9 @@
 """Curvature blocks: one :class:`~kaisa.blocks.base.CurvatureBlock` kind per layer kind.
 
-Each kind is a subclass for one module type (or a few). Adding a kind (Embedding,
-attention projections, ...) is one new module plus one entry in :data:`BLOCK_KINDS`.
+Each kind is a subclass for one module type (or a few). Adding a kind (Embedding, ...) is
+one new module plus one entry in :data:`BLOCK_KINDS`. A kind may make several named blocks
+of one module (:meth:`~kaisa.blocks.base.CurvatureBlock.build`: an
+``nn.MultiheadAttention`` gives its in- and out-projections).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kaisa.blocks.base import BatchStatistics, CurvatureBlock, KFACLayer, RunningFactors
+from kaisa.blocks.attention import AttentionBlock, cross_attention_modules
+from kaisa.blocks.base import (
+    BatchStatistics,
+    BlockOptions,
+    CurvatureBlock,
+    KFACLayer,
+    RunningFactors,
+)
 from kaisa.blocks.conv2d import Conv1dBlock, Conv2dBlock
 from kaisa.blocks.embedding import EmbeddingBlock
 from kaisa.blocks.linear import LinearBlock
@@ -23,7 +32,9 @@ from kaisa.enums import KFACApprox
 
 __all__ = [
     "BLOCK_KINDS",
+    "AttentionBlock",
     "BatchStatistics",
+    "BlockOptions",
     "Conv1dBlock",
     "Conv2dBlock",
     "CurvatureBlock",
@@ -38,7 +49,7 @@ __all__ = [
 
 #: Block kinds, tried in order with ``isinstance``.
 BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (
-    LinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock, ScaleShiftBlock,
+    LinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock, ScaleShiftBlock, AttentionBlock,
 )
 
 
@@ -49,23 +60,33 @@ def register_blocks(
     factor_dtype: torch.dtype | None = None,
     kfac_approx: KFACApprox = KFACApprox.EXPAND,
     kinds: Sequence[str] | None = None,
+    cross_attention: tuple[re.Pattern[str], ...] | None = None,
 ) -> dict[str, CurvatureBlock]:
     """Wraps every supported, trainable module of ``model`` not matched by ``skip``.
 
     Args:
         model: The model.
-        skip: Patterns matched with ``re.search`` against module names and class names.
+        skip: Patterns matched with ``re.search`` against module names, class names and
+            block names.
         factor_dtype: Factor dtype of every block (``None``: the activations', >= fp32).
         kfac_approx: Expand or reduce over the shared dimensions of sequence inputs.
         kinds: The kind names to register (``None``: every kind).
+        cross_attention: Names of the ``nn.MultiheadAttention`` in the cross-attention
+            layout (``None``: every ``nn.TransformerDecoderLayer.multihead_attn``).
 
     Returns:
-        ``name -> block`` in model order. Unsupported variants of a known module type
-        are skipped with a warning that says why. A module of a kind that does not
-        cover tied weights (:attr:`~CurvatureBlock.covers_tied`: embeddings) whose weight
-        another module also holds is skipped: that module's block covers the weight, or,
-        when none does, it is first-order with a warning.
+        ``name -> block`` in model order (a module may give several blocks). A block is
+        registered when every parameter it covers is trainable and no pattern finds its
+        name; blocks sharing a parameter are registered together or not at all. The
+        ``out_proj`` of an ``nn.MultiheadAttention`` is never a block of its own.
+        Unsupported variants of a known module type are skipped with a warning that
+        says why. A module of a kind that does not cover tied weights
+        (:attr:`~CurvatureBlock.covers_tied`: embeddings) whose weight another module
+        also holds is skipped: that module's block covers the weight, or, when none
+        does, it is first-order with a warning.
     """
+    claimed = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    cross = cross_attention_modules(model, cross_attention)
     users: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
@@ -74,15 +95,14 @@ def register_blocks(
     blocks: dict[str, CurvatureBlock] = {}
     for name, module in model.named_modules():
         kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
-        if kind is None or (kinds is not None and kind.kind not in kinds):
+        if kind is None or (kinds is not None and kind.kind not in kinds) or id(module) in claimed:
             continue
         cls_name = type(module).__name__
         if any(r.search(name) or r.search(cls_name) for r in skip):
             continue
-        params = [p for p in (getattr(module, "weight", None), getattr(module, "bias", None))]
-        if not isinstance(params[0], torch.Tensor):
-            continue  # no affine parameters (a norm with elementwise_affine=False)
-        if not all(p.requires_grad for p in params if isinstance(p, torch.Tensor)):
+        options = BlockOptions(factor_dtype, kfac_approx, cross_attention=id(module) in cross)
+        made = _kept(kind.build(name, module, options), skip)
+        if not made:
             continue
         reason = kind.supports(module)
         if reason is not None:
@@ -90,18 +110,36 @@ def register_blocks(
                 f"kaisa: not registering {name!r}: {reason}", RuntimeWarning, stacklevel=3
             )
             continue
-        others = [n for n in users.get(id(params[0]), []) if n != name]
+        weight = getattr(module, "weight", None)
+        others = [n for n in users.get(id(weight), []) if n != name]
         if others and not kind.covers_tied:
-            tied[name] = (id(params[0]), others)
+            tied[name] = (id(weight), others)
             continue
-        blocks[name] = kind(name=name, module=module, factor_dtype=factor_dtype,
-                            kfac_approx=kfac_approx)
+        blocks.update(made)
     covered = {id(p) for block in blocks.values() for p in block.parameters()}
-    for name, (weight, others) in tied.items():
-        if weight not in covered:
+    for name, (weight_id, others) in tied.items():
+        if weight_id not in covered:
             warnings.warn(
                 f"kaisa: not registering {name!r}: its weight is tied to {others} (a tied "
                 "weight is one block over every use, not defined for this kind yet); it is "
                 "first-order", RuntimeWarning, stacklevel=3,
             )
     return blocks
+
+
+def _kept(
+    made: dict[str, CurvatureBlock], skip: Sequence[re.Pattern[str]]
+) -> dict[str, CurvatureBlock]:
+    """The blocks of one module that are trainable and not skipped, sharing all or none."""
+    dropped = {
+        name for name, block in made.items()
+        if any(r.search(name) for r in skip)
+        or not all(p.requires_grad for p in block.parameters())
+    }
+    while True:
+        gone = {id(p) for name in dropped for p in made[name].parameters()}
+        more = {name for name, block in made.items()
+                if name not in dropped and any(id(p) in gone for p in block.parameters())}
+        if not more:
+            return {name: block for name, block in made.items() if name not in dropped}
+        dropped |= more

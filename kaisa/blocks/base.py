@@ -1,7 +1,9 @@
 """Curvature blocks: one interface for every layer kind, and the state of one block.
 
 A :class:`CurvatureBlock` wraps one registered module. It says which parameters it
-covers (:meth:`CurvatureBlock.parameters`), records its statistics from the hooks
+covers (:meth:`CurvatureBlock.parameters`; a block may cover some rows of a parameter,
+:attr:`CurvatureBlock.rows`), where the recorder observes it
+(:meth:`CurvatureBlock.call_sites`: its module by default), records its statistics from the hooks
 (:meth:`~CurvatureBlock.compute_a_batch`, :meth:`~CurvatureBlock.compute_g_batch`; a module
 called several times in one forward pass adds one batch factor per call), states its
 factor shapes (:meth:`~CurvatureBlock.factor_shape`, :attr:`~CurvatureBlock.dims`,
@@ -23,7 +25,8 @@ separate pieces of state:
 A block *kind* (:mod:`kaisa.blocks.linear`, :mod:`kaisa.blocks.conv2d`) says how the
 batch factors are computed from its module's inputs and output gradients; a diagonal
 kind (:mod:`kaisa.blocks.scale_shift`) also records, lays out and preconditions its own
-statistics.
+statistics. A kind makes the blocks of one module with :meth:`CurvatureBlock.build` (one
+block by default; :mod:`kaisa.blocks.attention` makes several).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from kaisa.callsites import CallSite
 from kaisa.dtypes import working_dtype
 from kaisa.enums import KFACApprox, Side
 from kaisa.finite import all_finite
@@ -42,7 +46,7 @@ from kaisa.finite import all_finite
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
 
-__all__ = ["BatchStatistics", "CurvatureBlock", "KFACLayer", "RunningFactors"]
+__all__ = ["BatchStatistics", "BlockOptions", "CurvatureBlock", "KFACLayer", "RunningFactors"]
 
 _FACTOR_KEYS = ("A", "G", "skipped_a", "skipped_g")
 
@@ -55,9 +59,11 @@ class BatchStatistics:
     g_sum: torch.Tensor | None = None
     a_count: int = 0
     g_count: int = 0
-    saved_inputs: list[torch.Tensor] = field(default_factory=list)
-    #: Output gradients with the divisor each is unscaled by.
-    saved_grads: list[tuple[torch.Tensor, float | torch.Tensor]] = field(default_factory=list)
+    #: Inputs with the index of the call site each was observed at.
+    saved_inputs: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    #: Output gradients with the divisor each is unscaled by and its call site.
+    saved_grads: list[tuple[torch.Tensor, float | torch.Tensor, int]] = field(
+        default_factory=list)
 
     def add_a(self, a_batch: torch.Tensor) -> None:
         """Adds one micro-batch A factor."""
@@ -84,14 +90,29 @@ class BatchStatistics:
 
     def nbytes(self) -> int:
         """Bytes held."""
-        return _size(self.a_sum, self.g_sum, *self.saved_inputs,
-                     *(d for d, _ in self.saved_grads))
+        return _size(self.a_sum, self.g_sum, *(x for x, _ in self.saved_inputs),
+                     *(d for d, _, _ in self.saved_grads))
 
     def clear(self) -> None:
         """Forgets everything recorded."""
         self.take()
         self.saved_inputs.clear()
         self.saved_grads.clear()
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """What registration gives every kind's :meth:`CurvatureBlock.build`.
+
+    Attributes:
+        factor_dtype: Factor dtype, ``None`` to follow the activations (>= fp32).
+        kfac_approx: Expand or reduce over shared dimensions.
+        cross_attention: Whether this module is cross-attention (attention kinds).
+    """
+
+    factor_dtype: torch.dtype | None = None
+    kfac_approx: KFACApprox = KFACApprox.EXPAND
+    cross_attention: bool = False
 
 
 @dataclass
@@ -125,10 +146,13 @@ class CurvatureBlock:
     """The curvature block of one registered module and its K-FAC state.
 
     Subclasses (block kinds) implement :meth:`compute_a_batch` and
-    :meth:`compute_g_batch` and may override :meth:`supports`.
+    :meth:`compute_g_batch` and may override :meth:`supports`, :meth:`build` (several
+    blocks per module), :meth:`call_sites` (where the recorder observes the block) and
+    :meth:`record_input` / :meth:`record_output_grad` (statistics that depend on the
+    call site, or are not Kronecker factors).
 
     Attributes:
-        name: The module's name in the model.
+        name: The block's name (the module's, or the module's plus a suffix).
         module: The wrapped module.
         groups: Number of independent Kronecker blocks.
         has_bias: Whether the gradient matrix has a bias column.
@@ -159,6 +183,9 @@ class CurvatureBlock:
     #: ``False`` leaves such a weight to the other module's block (see
     #: :func:`kaisa.blocks.register_blocks`).
     covers_tied: ClassVar[bool] = True
+    #: The rows of each parameter (as :meth:`parameters` lists them) the block covers;
+    #: ``None``: every row of every parameter (the common case).
+    rows: tuple[slice | None, ...] | None = None
 
     def __init__(
         self,
@@ -173,7 +200,7 @@ class CurvatureBlock:
         self.factor_dtype = factor_dtype
         self.kfac_approx = kfac_approx
         self.groups = 1
-        self.has_bias = getattr(module, "bias", None) is not None
+        self.has_bias = self.bias is not None
         self.stats = BatchStatistics()
         self.decomposition: dict[str, torch.Tensor] = {}
         self.method: SecondOrderMethod | None = None
@@ -187,6 +214,24 @@ class CurvatureBlock:
     def supports(cls, module: nn.Module) -> str | None:
         """Why ``module`` cannot be registered, or ``None`` when it can."""
         return None
+
+    @classmethod
+    def build(
+        cls, name: str, module: nn.Module, options: BlockOptions
+    ) -> dict[str, CurvatureBlock]:
+        """The blocks of ``module`` by name: one named ``name`` (none without a weight)."""
+        if not isinstance(getattr(module, "weight", None), torch.Tensor):
+            return {}  # no affine parameters (a norm with elementwise_affine=False)
+        return {name: cls(name=name, module=module, factor_dtype=options.factor_dtype,
+                          kfac_approx=options.kfac_approx)}
+
+    def call_sites(self) -> tuple[CallSite, ...]:
+        """Where the recorder observes the block, in order: by default its module's calls.
+
+        The recorder gives :meth:`record_input` and :meth:`record_output_grad` the index
+        of the site each observation came from (see :mod:`kaisa.callsites`).
+        """
+        return (CallSite(self.module),)
 
     # ------------------------------------------------------------------ parameters
     def parameters(self) -> tuple[torch.Tensor, ...]:
@@ -210,8 +255,13 @@ class CurvatureBlock:
     @property
     def dims(self) -> tuple[int, int]:
         """``(a_dim, g_dim)`` of one Kronecker block (diagonal kinds: their own layout)."""
-        weight = self.weight
-        return weight[0].numel() + int(self.has_bias), weight.shape[0] // self.groups
+        return self.weight[0].numel() + int(self.has_bias), self._out_rows() // self.groups
+
+    def _out_rows(self) -> int:
+        """Rows of the weight the block covers (output features)."""
+        out = self.weight.shape[0]
+        rows = None if self.rows is None else self.rows[0]
+        return out if rows is None else len(range(out)[rows])
 
     def is_diagonal(self, side: Side) -> bool:
         """Whether the ``side`` factor is kept as its diagonal."""
@@ -283,26 +333,30 @@ class CurvatureBlock:
         """The per-batch G factor of output gradient ``grad_output``."""
         raise NotImplementedError
 
-    def record_input(self, x: torch.Tensor, *, in_hook: bool) -> None:
-        """What the forward hook records: the batch A factor, or ``x`` for later."""
+    def record_input(self, x: torch.Tensor, *, in_hook: bool, site: int = 0) -> None:
+        """What an observation records: the batch A factor, or ``x`` for later.
+
+        ``site`` is the index in :meth:`call_sites` of the site ``x`` was observed at.
+        """
         if in_hook:
             self.stats.add_a(self.compute_a_batch(x))
         else:
-            self.stats.saved_inputs.append(x)
+            self.stats.saved_inputs.append((x, site))
 
     def record_output_grad(
         self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | None, site: int = 0,
     ) -> None:
         """What the output-gradient hook records: the batch G factor, or ``d`` for later.
 
-        ``inputs`` are the inputs of the forward call whose output ``d`` belongs to
-        (kinds whose statistics pair them, like scale-and-shift blocks, use them).
+        ``inputs`` are the inputs of the observation whose output ``d`` belongs to (kinds
+        whose statistics pair them, like scale-and-shift blocks, use them; ``None`` when
+        saved gradients are turned into factors), ``site`` its call site's index.
         """
         if in_hook:
             self.stats.add_g(self.compute_g_batch(d, divisor))
         else:
-            self.stats.saved_grads.append((d, divisor))
+            self.stats.saved_grads.append((d, divisor, site))
 
     def precondition_diagonal(self, grad: torch.Tensor, damping: float) -> torch.Tensor | None:
         """``grad / (F + damping)`` for a diagonal block (``None`` before statistics)."""
@@ -323,10 +377,13 @@ class CurvatureBlock:
         """
         if grads is None:
             grads = [p.grad for p in self.parameters()]
+        if self.rows is not None:
+            grads = [g if g is None or r is None else g[r]
+                     for g, r in zip(grads, self.rows, strict=True)]
         weight_grad = grads[0]
         if weight_grad is None:
             return None
-        out = self.weight.shape[0]
+        out = weight_grad.shape[0]
         g = weight_grad.reshape(out, -1)
         if self.bias is not None:
             bgrad = grads[1]
@@ -336,20 +393,31 @@ class CurvatureBlock:
         return g.reshape(self.groups, out // self.groups, -1)
 
     def split(self, matrix: torch.Tensor) -> list[torch.Tensor]:
-        """The inverse of :meth:`gradient_matrix`: one tensor per parameter (views)."""
-        weight = self.weight
-        mat = matrix.reshape(weight.shape[0], -1)
-        bias = self.bias
+        """The inverse of :meth:`gradient_matrix`: one tensor per parameter (views).
+
+        Each has the shape of the rows of its parameter the block covers
+        (:meth:`row_slices`).
+        """
+        shape, bias = self.weight.shape, self.bias
+        if self.rows is not None:
+            shape = torch.Size((self._out_rows(), *shape[1:]))
+        mat = matrix.reshape(shape[0], -1)
         if bias is None:
-            return [mat.reshape(weight.shape)]
-        return [mat[:, :-1].reshape(weight.shape), mat[:, -1].reshape(bias.shape)]
+            return [mat.reshape(shape)]
+        bias_shape = bias.shape if self.rows is None else shape[:1]
+        return [mat[:, :-1].reshape(shape), mat[:, -1].reshape(bias_shape)]
+
+    def row_slices(self) -> tuple[slice | None, ...]:
+        """:attr:`rows` with one entry per parameter (``None``: all its rows)."""
+        return self.rows if self.rows is not None else (None,) * len(self.parameters())
 
     def write_grad(self, matrix: torch.Tensor) -> None:
         """Copies a ``(groups, out/groups, n)`` matrix into the parameters' ``.grad``."""
         assert self.weight.grad is not None
-        for p, part in zip(self.parameters(), self.split(matrix), strict=True):
+        for p, part, rows in zip(self.parameters(), self.split(matrix), self.row_slices(),
+                                 strict=True):
             if p.grad is not None:
-                p.grad.copy_(part)
+                (p.grad if rows is None else p.grad[rows]).copy_(part)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

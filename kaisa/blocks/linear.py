@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -22,14 +24,14 @@ class LinearBlock(CurvatureBlock):
     there is no shared dimension).
     """
 
-    module_type = nn.Linear
+    module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Linear
     kind = "linear"
 
     def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
         """``Xb^T Xb / M`` (rows: positions, or examples' mean inputs)."""
         dtype = self.dtype_for(x)
         if self._reduces(x):
-            x = x.to(dtype).mean(dim=tuple(range(1, x.dim() - 1)))
+            x = x.to(dtype).mean(dim=self._shared_dims(x))
         return factors.linear_a_factor(x, bias=self.has_bias, dtype=dtype)
 
     def compute_g_batch(
@@ -38,8 +40,12 @@ class LinearBlock(CurvatureBlock):
         """``D^T D / M`` (rows: positions, or examples' summed output gradients)."""
         dtype = self.dtype_for(grad_output)
         if self._reduces(grad_output):
-            grad_output = grad_output.to(dtype).sum(dim=tuple(range(1, grad_output.dim() - 1)))
+            grad_output = grad_output.to(dtype).sum(dim=self._shared_dims(grad_output))
         return factors.linear_g_factor(grad_output, dtype=dtype, loss_scale=loss_scale)
 
     def _reduces(self, t: torch.Tensor) -> bool:
         return self.kfac_approx is KFACApprox.REDUCE and t.dim() > 2
+
+    def _shared_dims(self, t: torch.Tensor) -> tuple[int, ...]:
+        """The dimensions ``'reduce'`` averages (sums) over: all but the batch's (first)."""
+        return tuple(range(1, t.dim() - 1))

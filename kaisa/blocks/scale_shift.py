@@ -71,14 +71,15 @@ class ScaleShiftBlock(CurvatureBlock):
             return d.movedim(1, -1).reshape(-1, d.shape[1])
         return d.reshape(-1, self.weight.numel())
 
-    def record_input(self, x: torch.Tensor, *, in_hook: bool) -> None:
+    def record_input(self, x: torch.Tensor, *, in_hook: bool, site: int = 0) -> None:
         """Nothing: the output-gradient hook gets its call's input."""
 
     def record_output_grad(
         self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | None, site: int = 0,
     ) -> None:
         """``[mean((xhat D)^2); mean(D^2)]`` of one call, with ``D / divisor``."""
+        assert inputs is not None  # recorded in the hook, never saved for later
         xhat = self.normalized(inputs)
         rows = self._grad_rows(d)
         rows = rows / (divisor.to(rows.dtype) if isinstance(divisor, torch.Tensor) else divisor)

@@ -62,6 +62,8 @@ def _curvature_arguments(options: argparse.Namespace) -> dict[str, Any]:
         "skip_layers": skip,
         "kfac_approx": options.kfac_approx,
         **({} if options.kfac_layer_kinds is None else {"layer_kinds": options.kfac_layer_kinds}),
+        **({} if options.kfac_cross_attention is None else {
+            "cross_attention": [n for n in options.kfac_cross_attention.split(",") if n]}),
         "loglevel": getattr(logging, options.kfac_loglevel),
         "collective_timeout": options.kfac_collective_timeout,
     }

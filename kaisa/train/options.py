@@ -232,8 +232,13 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kfac-layer-kinds", default=None, metavar="KINDS",
         help="block kinds to register: all, or a comma list of linear, conv2d, conv1d, "
-        "embedding, scale_shift (default: linear,conv2d for +kfac, "
-        "linear,conv2d,conv1d,embedding for --optimizer kfac)",
+        "embedding, scale_shift, attention (default: linear,conv2d for +kfac, "
+        "linear,conv2d,conv1d,embedding,attention for --optimizer kfac)",
+    )
+    group.add_argument(
+        "--kfac-cross-attention", default=None, metavar="REGEXES",
+        help="comma-separated regular expressions naming the nn.MultiheadAttention modules with "
+        "the cross-attention layout (default: every TransformerDecoderLayer.multihead_attn)",
     )
     group.add_argument(
         "--kfac-update-factors-in-hook",

@@ -63,6 +63,14 @@ def linear_a_batch(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return (x2.T @ x2 / x2.shape[0]).unsqueeze(0)
 
 
+def rows_a(x: torch.Tensor, *, bias: bool) -> torch.Tensor:
+    """``Xb^T Xb / M`` of the rows of ``x`` (all leading dimensions), ``(n, n)``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if bias:
+        x2 = torch.cat([x2, torch.ones(x2.shape[0], 1, dtype=x2.dtype)], 1)
+    return x2.T @ x2 / x2.shape[0]
+
+
 def linear_g_batch(dout: torch.Tensor) -> torch.Tensor:
     d = dout.reshape(-1, dout.shape[-1])
     return (d.T @ d / d.shape[0]).unsqueeze(0)
