@@ -227,8 +227,10 @@ class KFACCurvature:
         with self.timed("factors"):
             self._recorder.compute_saved()
             recorded = False
-            for name, (a_batch, g_batch) in self._engine.averaged_factors().items():
-                self._blocks[name].factors.fold(a_batch, g_batch, decay)
+            for name, averaged in self._engine.averaged_factors().items():
+                block = self._blocks[name]
+                a_batch, g_batch = block.combine(*averaged)
+                block.factors.fold(a_batch, g_batch, decay)
                 recorded = recorded or a_batch is not None or g_batch is not None
             if recorded:
                 self._warn_silent_blocks()

@@ -44,9 +44,9 @@ def test_coverage_names_every_trainable_parameter_once_and_logs_one_line(
     model = _Net()
     with caplog.at_level(logging.INFO, logger="kaisa"):
         pre = kaisa.KFACPreconditioner(model)
-    want = {"embed.weight": "linear", "norm.weight": "first-order",
+    want = {"embed.weight": "embedding", "norm.weight": "first-order",
             "norm.bias": "first-order", "hidden.weight": "linear", "hidden.bias": "linear"}
-    # the tied weight is listed once under its first name; the head's block covers it
+    # the tied weight is listed once under its first name; the tied block covers it
     assert pre.coverage() == want
     assert list(pre.coverage()) == [n for n, p in model.named_parameters() if p.requires_grad]
     lines = [r.getMessage() for r in caplog.records if "preconditions" in r.getMessage()]

@@ -345,17 +345,36 @@ class _Tied(nn.Module):
         return self.head(torch.tanh(self.embed(tokens)))
 
 
-def test_a_tied_embedding_is_left_to_the_head_or_first_order() -> None:
+def test_a_tied_embedding_is_the_tied_block_or_first_order() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pre = kaisa.KFACPreconditioner(_Tied(), layer_kinds="all")
-    assert list(pre.layers) == ["head"] and pre.coverage() == {"embed.weight": "linear"}
-    with pytest.warns(RuntimeWarning, match=r"not registering '0.embed': its weight is tied "
-                                            r"to \['0.head'\]"):
-        pre = kaisa.KFACPreconditioner(nn.Sequential(_Tied(), nn.Linear(V, 2)),
-                                       layer_kinds=("embedding", "linear"),
-                                       skip_layers=["head"])
+    assert list(pre.layers) == ["embed"] and pre.coverage() == {"embed.weight": "embedding"}
+    assert type(pre.layers["embed"]).__name__ == "TiedEmbeddingBlock"  # tests/test_tied.py
+    pre = kaisa.KFACPreconditioner(nn.Sequential(_Tied(), nn.Linear(V, 2)),
+                                   layer_kinds=("embedding", "linear"), skip_layers=["head"])
     assert pre.coverage()["0.embed.weight"] == "first-order"
+
+
+class _SharedElsewhere(nn.Module):
+    """An embedding whose weight a second embedding also holds (not the tied-head pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, E)
+        self.other = nn.Embedding(V, E)
+        self.other.weight = self.embed.weight
+        self.out = nn.Linear(E, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens) + self.other(tokens))
+
+
+def test_an_embedding_weight_shared_otherwise_is_first_order_with_a_warning() -> None:
+    with pytest.warns(RuntimeWarning, match=r"not registering 'embed': its weight is tied "
+                                            r"to \['other'\]"):
+        pre = kaisa.KFACPreconditioner(_SharedElsewhere(), layer_kinds="all")
+    assert pre.coverage()["embed.weight"] == "first-order"
 
 
 class _Sequence(nn.Module):

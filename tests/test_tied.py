@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import kaisa
+from kaisa.blocks import TiedEmbeddingBlock
+from kaisa.enums import Side
 from kaisa.kronecker import nearest_kronecker
 
 DT = torch.float64
@@ -147,3 +151,145 @@ def test_the_nearest_kronecker_product_is_closer_to_the_fisher_than_one_use() ->
     closer = sum(r["nearest"] < min(r["head"], r["embedding"]) for r in results)
     assert closer == 19
 
+
+
+# ---------------------------------------------------------------------- the tied block
+RHO = 0.5  # the first running factor is RHO I + (1 - RHO) batch factor
+
+
+def _first(batch: torch.Tensor) -> torch.Tensor:
+    start = torch.ones_like(batch) if batch.dim() == 1 else torch.eye(batch.shape[0], dtype=DT)
+    return RHO * start + (1 - RHO) * batch
+
+class _TiedLM(torch.nn.Module):
+    """Embedding -> tanh mixing -> head tied to the embedding (optionally with a bias)."""
+
+    def __init__(self, vocab: int = V, width: int = E, head_bias: bool = False,
+                 padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, width, padding_idx=padding_idx)
+        self.mix = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab, bias=head_bias)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embedding(tokens))))
+
+
+def _explicit_uses(model: _TiedLM, tokens: torch.Tensor, targets: torch.Tensor,
+                   diagonal: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-use factors of docs/conventions.md, from retain_grad on both uses' outputs."""
+    x = model.embedding(tokens)
+    x.retain_grad()
+    h = torch.tanh(model.mix(x))
+    logits = model.head(h)
+    logits.retain_grad()
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    assert x.grad is not None and logits.grad is not None
+    v, e = model.embedding.weight.shape
+    m = tokens.numel()
+    d_e, d_h = x.grad.reshape(m, e), logits.grad.reshape(m, v)
+    hh = h.detach().reshape(m, e)
+    counts = torch.bincount(tokens.reshape(-1), minlength=v).to(DT)
+    a_e, a_h = torch.diag(counts) / m, d_h.T @ d_h / m
+    if diagonal:
+        a_e, a_h = a_e.diagonal(), a_h.diagonal()
+    model.zero_grad()
+    return [a_e, a_h], [d_e.T @ d_e / m, hh.T @ hh / m]
+
+
+def _tokens(seed: int, vocab: int = V) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab, (6, 4), generator=g),
+            torch.randint(0, vocab, (6, 4), generator=g))
+
+
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_the_tied_block_is_the_nearest_kronecker_product_of_both_uses(in_hook: bool) -> None:
+    torch.manual_seed(0)
+    model = _TiedLM().double()
+    pre = kaisa.KFACPreconditioner(model, factor_decay=RHO, damping=0.1,
+                                   update_factors_in_hook=in_hook, inv_dtype=DT,
+                                   kl_clip=None)
+    assert list(pre.layers) == ["embedding", "mix"]
+    block = pre.layers["embedding"]
+    assert isinstance(block, TiedEmbeddingBlock)
+    assert pre.coverage() == {"embedding.weight": "embedding", "mix.weight": "linear",
+                              "mix.bias": "linear"}
+    tokens, targets = _tokens(1)
+    a, g = _explicit_uses(model, tokens, targets)
+    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    grad = model.embedding.weight.grad.clone()
+    pre.step()
+    x, y = (_first(t) for t in nearest_kronecker(a, g, [0.5, 0.5]))
+    torch.testing.assert_close(block.a_factor, x, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(block.g_factor, y, rtol=1e-10, atol=1e-14)
+    # the weight's direction: (Y (x) X + damping I)^-1 vec(grad^T), row-major (E x V)
+    solved = torch.linalg.solve(torch.kron(y, x) + 0.1 * torch.eye(V * E, dtype=DT),
+                                grad.T.reshape(-1))
+    torch.testing.assert_close(model.embedding.weight.grad, solved.reshape(E, V).T,
+                               rtol=1e-8, atol=1e-12)
+
+
+def test_a_vocabulary_above_the_dense_bound_is_diagonal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kaisa.distributed.memory.LARGE_FACTOR_DIM", V - 1)
+    torch.manual_seed(0)
+    model = _TiedLM().double()
+    pre = kaisa.KFACPreconditioner(model, factor_decay=RHO, inv_dtype=DT)
+    block = pre.layers["embedding"]
+    assert block.is_diagonal(Side.A) and block.factor_shape(Side.A) == (1, V)
+    tokens, targets = _tokens(2)
+    a, g = _explicit_uses(model, tokens, targets, diagonal=True)
+    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    pre.step()
+    x, y = (_first(t) for t in nearest_kronecker(a, g, [0.5, 0.5]))
+    torch.testing.assert_close(block.a_factor, x, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(block.g_factor, y, rtol=1e-10, atol=1e-14)
+
+
+def test_micro_batches_average_each_use_before_combining() -> None:
+    torch.manual_seed(0)
+    model = _TiedLM().double()
+    pre = kaisa.KFACPreconditioner(model, factor_decay=RHO, accumulation_steps=2,
+                                   inv_dtype=DT)
+    parts = [_tokens(3), _tokens(4)]
+    uses = [_explicit_uses(model, t, y) for t, y in parts]
+    for tokens, targets in parts:
+        F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    pre.step()
+    a = [(uses[0][0][u] + uses[1][0][u]) / 2 for u in range(2)]
+    g = [(uses[0][1][u] + uses[1][1][u]) / 2 for u in range(2)]
+    x, y = (_first(t) for t in nearest_kronecker(a, g, [0.5, 0.5]))
+    block = pre.layers["embedding"]
+    torch.testing.assert_close(block.a_factor, x, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(block.g_factor, y, rtol=1e-10, atol=1e-14)
+
+
+def test_the_head_bias_is_first_order_and_padding_takes_the_heads_gradient() -> None:
+    torch.manual_seed(0)
+    model = _TiedLM(head_bias=True, padding_idx=0).double()
+    opt = kaisa.KFAC(model, loss="cross_entropy")
+    assert opt.coverage()["head.bias"] == "first-order"
+    assert opt.coverage()["embedding.weight"] == "embedding"
+    block = opt.curvature.blocks["embedding"]
+    grad = torch.randn(V, E, dtype=DT)
+    matrix = block.gradient_matrix([grad])
+    assert matrix is not None
+    # the head's use gives the padding row a gradient: it is not zeroed
+    torch.testing.assert_close(matrix[0], grad.T, rtol=0, atol=0)
+    tokens, targets = _tokens(5)
+    for _ in range(3):
+        loss = opt.step(lambda: (model(tokens), targets))
+        assert math.isfinite(float(loss))
+
+
+def test_the_tied_block_is_registered_when_linear_or_embedding_is() -> None:
+    # KFACPreconditioner's default kinds (linear, conv2d) too: never the head alone
+    pre = kaisa.KFACPreconditioner(_TiedLM())
+    assert isinstance(pre.layers["embedding"], TiedEmbeddingBlock) and "head" not in pre.layers
+    opt = kaisa.KFAC(_TiedLM(), loss="cross_entropy", layer_kinds=("embedding",))
+    assert list(opt.curvature.blocks) == ["embedding"]
+    with pytest.raises(ValueError, match="no supported layer"):
+        kaisa.KFACPreconditioner(_TiedLM(), layer_kinds=("conv2d",))
+    skipped = kaisa.KFACPreconditioner(_TiedLM(), skip_layers=["head"])
+    assert skipped.coverage()["embedding.weight"] == "first-order"

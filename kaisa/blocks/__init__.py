@@ -28,6 +28,7 @@ from kaisa.blocks.embedding import EmbeddingBlock
 from kaisa.blocks.linear import LinearBlock
 from kaisa.blocks.preconditioned import Preconditioned
 from kaisa.blocks.scale_shift import ScaleShiftBlock
+from kaisa.blocks.tied import TiedEmbeddingBlock, tied_heads
 from kaisa.enums import KFACApprox
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Preconditioned",
     "RunningFactors",
     "ScaleShiftBlock",
+    "TiedEmbeddingBlock",
     "register_blocks",
 ]
 
@@ -87,6 +89,10 @@ def register_blocks(
     """
     claimed = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     cross = cross_attention_modules(model, cross_attention)
+    names = {id(m): n for n, m in model.named_modules()}
+    pairs = {} if kinds is not None and not {"embedding", "linear"} & set(kinds) \
+        else tied_heads(model)
+    claimed |= {id(head) for _, head in pairs.values()}
     users: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
@@ -94,6 +100,10 @@ def register_blocks(
     tied: dict[str, tuple[int, list[str]]] = {}  # name -> (weight id, its other users)
     blocks: dict[str, CurvatureBlock] = {}
     for name, module in model.named_modules():
+        pair = pairs.get(id(getattr(module, "weight", None)))
+        if pair is not None and pair[0] is module:
+            blocks.update(_tied(name, pair, names[id(pair[1])], skip, factor_dtype))
+            continue
         kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
         if kind is None or (kinds is not None and kind.kind not in kinds) or id(module) in claimed:
             continue
@@ -125,6 +135,26 @@ def register_blocks(
                 "first-order", RuntimeWarning, stacklevel=3,
             )
     return blocks
+
+
+def _tied(
+    name: str, pair: tuple[nn.Embedding, nn.Linear], head_name: str,
+    skip: Sequence[re.Pattern[str]], factor_dtype: torch.dtype | None,
+) -> dict[str, CurvatureBlock]:
+    """The tied block of an embedding and its head (none when skipped or unsupported)."""
+    embedding, head = pair
+    for n, m in ((name, embedding), (head_name, head)):
+        if any(r.search(n) or r.search(type(m).__name__) for r in skip):
+            return {}
+    if not embedding.weight.requires_grad:
+        return {}
+    reason = TiedEmbeddingBlock.supports(embedding)
+    if reason is not None:
+        warnings.warn(f"kaisa: not registering {name!r} (tied to {head_name!r}): {reason}",
+                      RuntimeWarning, stacklevel=4)
+        return {}
+    return {name: TiedEmbeddingBlock(name=name, module=embedding, head=head,
+                                     factor_dtype=factor_dtype)}
 
 
 def _kept(

@@ -358,6 +358,15 @@ class CurvatureBlock:
         else:
             self.stats.saved_grads.append((d, divisor, site))
 
+    def combine(
+        self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The batch factors to fold from what :attr:`stats` gave, averaged over ranks.
+
+        The identity, except for kinds that record several uses apart (a tied weight).
+        """
+        return a_batch, g_batch
+
     def precondition_diagonal(self, grad: torch.Tensor, damping: float) -> torch.Tensor | None:
         """``grad / (F + damping)`` for a diagonal block (``None`` before statistics)."""
         raise NotImplementedError(f"{type(self).__name__} has Kronecker factors")
