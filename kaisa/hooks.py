@@ -170,8 +170,14 @@ class StatisticsRecorder:
 
     # ------------------------------------------------------------------ hooks
     def _active(self, module: nn.Module) -> bool:
-        """Whether a call of ``module`` is observed now (the one rule for every site)."""
-        return module.training and torch.is_grad_enabled() and self.recording
+        """Whether a call of ``module`` is observed now (the one rule for every site).
+
+        Never inside a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ...): its
+        tensors are wrapped for the transform's levels, and statistics of a
+        per-sample or functional evaluation are not the training step's.
+        """
+        return (module.training and torch.is_grad_enabled() and self.recording
+                and (torch.compiler.is_compiling() or not _in_functorch_transform()))
 
     def _forward_hook(
         self, layer: CurvatureBlock, site: int
@@ -262,3 +268,8 @@ class StatisticsRecorder:
         start = time.perf_counter()
         fn(layer, *args)
         self._timings["factors"] += time.perf_counter() - start
+
+
+def _in_functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform is running (its interpreter stack is not empty)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None

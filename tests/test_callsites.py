@@ -7,11 +7,14 @@ rows of a weight that a parent module multiplies by with ``F.linear`` in its for
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kaisa
 from kaisa.blocks import LinearBlock
 from kaisa.callsites import CallSite
 from kaisa.hooks import StatisticsRecorder
@@ -121,3 +124,30 @@ def test_a_block_observed_through_functional_calls_gets_its_rows_of_the_product(
     block.write_grad(torch.zeros(1, 3, 5))
     assert not parent.proj.weight.grad[2:5].any() and parent.proj.weight.grad[5].any()
     recorder.remove()
+
+
+def test_torch_func_transforms_over_a_hooked_model_record_nothing_and_do_not_crash() -> None:
+    # issue #19: torch.func transforms over a hooked model crashed inside kaisa's hooks
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1)
+    x = torch.randn(5, 4)
+    params = dict(model.named_parameters())
+
+    def loss(p: dict[str, torch.Tensor], xs: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (xs,)).square().sum()
+
+    torch.func.grad(loss)(params, x)
+    torch.func.jacrev(loss)(params, x)
+    torch.func.vmap(torch.func.grad(lambda p, xi: loss(p, xi[None])), in_dims=(None, 0))(
+        params, x)  # per-sample gradients
+    torch.func.jvp(model, (x,), (torch.ones_like(x),))
+    assert all(not b.stats.has_factors and not b.stats.saved_inputs for b in pre.layers.values())
+    # the next real step records and preconditions as if no transform had run
+    reference = copy.deepcopy(model)
+    ref = kaisa.KFACPreconditioner(reference, factor_update_steps=1)
+    for m, p in ((model, pre), (reference, ref)):
+        m(x).square().sum().backward()
+        p.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
