@@ -10,17 +10,11 @@ factor shapes (:meth:`~CurvatureBlock.factor_shape`, :attr:`~CurvatureBlock.dims
 :attr:`~CurvatureBlock.groups`: what placement and the memory model need), and turns the
 parameters' gradients into the matrix the second-order method preconditions and back
 (:meth:`~CurvatureBlock.gradient_matrix`, :meth:`~CurvatureBlock.split`). It holds three
-separate pieces of state:
-
-* :class:`BatchStatistics` (``layer.stats``): what the hooks record during a step — the
-  per-micro-batch factor sums, or the raw inputs / output gradients when factors are
-  computed in ``step()``;
-* :class:`RunningFactors` (``layer.factors``): the running averages ``A`` and ``G``
-  (``(groups, n, n)``, starting from the identity; a *diagonal side*
-  (:attr:`CurvatureBlock.diagonal_sides`) is kept as its diagonal ``(groups, n)``,
-  starting from ones) and the count of non-finite batch factors that were skipped;
-* ``layer.decomposition``: the second-order method's state (a ``dict`` of tensors, see
-  :mod:`kaisa.methods`); the layer never interprets it.
+separate pieces of state (:mod:`kaisa.blocks.state`): ``block.stats``
+(:class:`~kaisa.blocks.state.BatchStatistics`, what the hooks record in a step),
+``block.factors`` (:class:`~kaisa.blocks.state.RunningFactors`, the running averages) and
+``block.decomposition`` (the second-order method's ``dict`` of tensors, see
+:mod:`kaisa.methods`; the block never interprets it).
 
 A block *kind* (:mod:`kaisa.blocks.linear`, :mod:`kaisa.blocks.conv2d`) says how the
 batch factors are computed from its module's inputs and output gradients; a diagonal
@@ -32,12 +26,12 @@ block by default; :mod:`kaisa.blocks.attention` makes several).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
+from kaisa.blocks.state import BatchStatistics, BlockOptions, RunningFactors, tensor_bytes
 from kaisa.callsites import CallSite
 from kaisa.dtypes import working_dtype
 from kaisa.enums import KFACApprox, Side
@@ -49,97 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["BatchStatistics", "BlockOptions", "CurvatureBlock", "KFACLayer", "RunningFactors"]
 
 _FACTOR_KEYS = ("A", "G", "skipped_a", "skipped_g")
-
-
-@dataclass
-class BatchStatistics:
-    """What the hooks recorded in the current step (cleared when taken)."""
-
-    a_sum: torch.Tensor | None = None
-    g_sum: torch.Tensor | None = None
-    a_count: int = 0
-    g_count: int = 0
-    #: Inputs with the index of the call site each was observed at.
-    saved_inputs: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    #: Output gradients with the divisor each is unscaled by and its call site.
-    saved_grads: list[tuple[torch.Tensor, float | torch.Tensor, int]] = field(
-        default_factory=list)
-
-    def add_a(self, a_batch: torch.Tensor) -> None:
-        """Adds one micro-batch A factor."""
-        self.a_sum = a_batch if self.a_sum is None else self.a_sum.add_(a_batch)
-        self.a_count += 1
-
-    def add_g(self, g_batch: torch.Tensor) -> None:
-        """Adds one micro-batch G factor."""
-        self.g_sum = g_batch if self.g_sum is None else self.g_sum.add_(g_batch)
-        self.g_count += 1
-
-    @property
-    def has_factors(self) -> bool:
-        """Whether any batch factor was recorded."""
-        return self.a_sum is not None or self.g_sum is not None
-
-    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Mean batch factors over the recorded micro-batches; clears them."""
-        a = None if self.a_sum is None else self.a_sum / self.a_count
-        g = None if self.g_sum is None else self.g_sum / self.g_count
-        self.a_sum = self.g_sum = None
-        self.a_count = self.g_count = 0
-        return a, g
-
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return _size(self.a_sum, self.g_sum, *(x for x, _ in self.saved_inputs),
-                     *(d for d, _, _ in self.saved_grads))
-
-    def clear(self) -> None:
-        """Forgets everything recorded."""
-        self.take()
-        self.saved_inputs.clear()
-        self.saved_grads.clear()
-
-
-@dataclass(frozen=True)
-class BlockOptions:
-    """What registration gives every kind's :meth:`CurvatureBlock.build`.
-
-    Attributes:
-        factor_dtype: Factor dtype, ``None`` to follow the activations (>= fp32).
-        kfac_approx: Expand or reduce over shared dimensions.
-        cross_attention: Whether this module is cross-attention (attention kinds).
-    """
-
-    factor_dtype: torch.dtype | None = None
-    kfac_approx: KFACApprox = KFACApprox.EXPAND
-    cross_attention: bool = False
-
-
-@dataclass
-class RunningFactors:
-    """Running factors ``F <- rho F + (1 - rho) F_batch`` and the skipped-batch counts."""
-
-    a: torch.Tensor | None = None
-    g: torch.Tensor | None = None
-    skipped_a: torch.Tensor | None = None  # 0-d counts: no host synchronisation
-    skipped_g: torch.Tensor | None = None
-    #: Sides kept as diagonals (start from ones, not the identity).
-    diagonal_sides: frozenset[Side] = frozenset()
-
-    def fold(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, rho: float) -> None:
-        """Folds batch factors in; a non-finite batch is skipped (and counted)."""
-        diagonal = self.diagonal_sides
-        if a_batch is not None:
-            self.a, self.skipped_a = _fold(self.a, a_batch, rho, self.skipped_a,
-                                           Side.A in diagonal)
-        if g_batch is not None:
-            self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g,
-                                           Side.G in diagonal)
-
-    @property
-    def skipped(self) -> int:
-        """Non-finite batch factors not folded in (synchronises the device)."""
-        return sum(int(t.item()) for t in (self.skipped_a, self.skipped_g) if t is not None)
 
 
 class CurvatureBlock:
@@ -499,8 +402,8 @@ class CurvatureBlock:
     def memory_usage(self) -> dict[str, int]:
         """Bytes held by this layer: ``factors``, ``decompositions`` and ``buffers``."""
         return {
-            "factors": _size(self.factors.a, self.factors.g),
-            "decompositions": _size(*self.decomposition.values()),
+            "factors": tensor_bytes(self.factors.a, self.factors.g),
+            "decompositions": tensor_bytes(*self.decomposition.values()),
             "buffers": self.stats.nbytes(),
         }
 
@@ -515,28 +418,3 @@ KFACLayer = CurvatureBlock
 
 #: Decomposition entries readable as layer attributes (every method's state keys).
 _DECOMPOSITION_NAMES = frozenset({"qa", "da", "qg", "dg", "dgda", "a_inv", "g_inv"})
-
-
-def _size(*ts: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-def _fold(
-    running: torch.Tensor | None,
-    batch: torch.Tensor,
-    rho: float,
-    skipped: torch.Tensor | None,
-    diagonal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if running is None and diagonal:
-        running = torch.ones_like(batch)
-    elif running is None:
-        eye = torch.eye(batch.shape[-1], dtype=batch.dtype, device=batch.device)
-        running = eye.expand_as(batch).clone()
-    if skipped is None:
-        skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
-    finite = all_finite(batch)
-    updated = running * rho + batch * (1.0 - rho)
-    running = torch.where(finite, updated, running)
-    skipped = skipped + (~finite).to(skipped.dtype)
-    return running, skipped

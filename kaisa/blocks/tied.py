@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from kaisa import factors
-from kaisa.blocks.base import BatchStatistics, _size
 from kaisa.blocks.embedding import EmbeddingBlock
+from kaisa.blocks.state import BatchStatistics, tensor_bytes
 from kaisa.callsites import CallSite
 from kaisa.enums import KFACApprox, Side
 from kaisa.kronecker import nearest_kronecker
@@ -83,7 +83,7 @@ class UseStatistics(BatchStatistics):
 
     def nbytes(self) -> int:
         """Bytes held."""
-        return super().nbytes() + _size(*self.sums.values())
+        return super().nbytes() + tensor_bytes(*self.sums.values())
 
     def clear(self) -> None:
         """Forgets everything recorded."""
