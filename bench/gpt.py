@@ -108,9 +108,12 @@ class Run:
         elif name == "adamw+kfac":
             adamw = torch.optim.AdamW(decay_groups(params, 3e-3))
             self.optimizers = [adamw]
+            # every Kronecker kind: Linear, the attention projections, the tied
+            # embedding/head block (KFACPreconditioner's default is kfac-pytorch's two)
             self.pre = kaisa.KFACPreconditioner(
                 model, damping=0.03, factor_update_steps=1, inv_update_steps=10,
                 lr=lambda _step: float(adamw.param_groups[0]["lr"]),
+                layer_kinds=("linear", "attention", "embedding"),
             )
         elif name.startswith("kfac"):
             extra: dict[str, Any] = {}
@@ -293,7 +296,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.d_model, args.layers, args.context, args.batch = 32, 2, 16, 4
         args.eval_windows, args.eval_every = 8, max(1, args.steps // 2)
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*did not fire")  # out_proj, see _coverage
     data = load_text(context=args.context, examples_per_epoch=args.batch,
                      max_bytes=args.text_bytes, eval_windows=args.eval_windows, seed=args.seed)
     torch.manual_seed(args.seed)

@@ -59,7 +59,7 @@ class KFAC(torch.optim.Optimizer):
     """K-FAC optimizer (see the module docstring for the algorithm).
 
     Args:
-        model: The model; its blocks (``layer_kinds``: Linear, Conv2d, Conv1d, Embedding and
+        model: The model; its blocks (``layer_kinds``: Linear, Conv2d, Conv1d and
             ``nn.MultiheadAttention`` projections by default)
             are preconditioned, every other trainable parameter follows ``first_order``.
         loss: ``'mse'`` or ``'cross_entropy'`` (``torch.nn.functional``'s).

@@ -11,10 +11,11 @@ configuration depend on the mode, and are decided here, in one place:
   block), else ``'eigen'`` (then the fixed mode equals ``KFACPreconditioner`` + SGD);
 * ``compute_eigenvalue_outer_product``: off when the damping adapts (a stored
   ``1 / (dG dA^T + damping)`` would keep a stale damping), else kfac-pytorch's default;
-* ``layer_kinds``: the Kronecker kinds (Linear, Conv2d, Conv1d, Embedding, attention projections;
-  ``KFACPreconditioner`` registers kfac-pytorch's Linear and Conv2d only, for parity). The diagonal
-  ``'scale_shift'`` blocks are opt-in (``layer_kinds='all'``): on the byte GPT at the
-  default damping they made the adaptive step diverge, while AdamW on the norms did not;
+* ``layer_kinds``: the Kronecker kinds (Linear, Conv2d, Conv1d, attention projections;
+  ``KFACPreconditioner`` registers kfac-pytorch's Linear and Conv2d only, for parity). The
+  diagonal ``'scale_shift'`` blocks and the ``'embedding'`` blocks (with the tied
+  embedding/head block) are opt-in (``layer_kinds='all'``): on the byte GPT at the default
+  damping each made the adaptive step diverge, while AdamW on those parameters did not;
 * ``grad_scaler``: KFAC's own, so backward passes outside KFAC (without a closure) are
   unscaled by it.
 """
@@ -161,7 +162,7 @@ class KFACOptimizerConfig:
             "kl_clip": None if adaptive else 0.001,
             "compute_method": "pi_inverse" if adaptive else "eigen",
             "compute_eigenvalue_outer_product": not (adaptive and arguments["adaptive_damping"]),
-            "layer_kinds": ("linear", "conv2d", "conv1d", "embedding", "attention"),
+            "layer_kinds": ("linear", "conv2d", "conv1d", "attention"),
             **preconditioner,
             "grad_scaler": arguments["grad_scaler"],
         }

@@ -44,18 +44,25 @@ def test_coverage_names_every_trainable_parameter_once_and_logs_one_line(
     model = _Net()
     with caplog.at_level(logging.INFO, logger="kaisa"):
         pre = kaisa.KFACPreconditioner(model)
-    want = {"embed.weight": "embedding", "norm.weight": "first-order",
+    want = {"embed.weight": "first-order", "norm.weight": "first-order",
             "norm.bias": "first-order", "hidden.weight": "linear", "hidden.bias": "linear"}
-    # the tied weight is listed once under its first name; the tied block covers it
+    # the tied weight is listed once under its first name; without the embedding kind it
+    # is first-order (never preconditioned from the head's use alone)
     assert pre.coverage() == want
     assert list(pre.coverage()) == [n for n, p in model.named_parameters() if p.requires_grad]
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    share = 100 * (sizes["hidden.weight"] + sizes["hidden.bias"]) / sum(sizes[n] for n in want)
     lines = [r.getMessage() for r in caplog.records if "preconditions" in r.getMessage()]
-    assert lines == ["kaisa: K-FAC preconditions 3 of 5 trainable parameters (85.7% of the "
-                     "elements) in 2 blocks; first-order: norm.weight, norm.bias"]
+    assert lines == [f"kaisa: K-FAC preconditions 2 of 5 trainable parameters ({share:.1f}% of "
+                     "the elements) in 1 blocks; first-order: embed.weight, norm.weight, "
+                     "norm.bias"]
     opt = kaisa.KFAC(_Net(), loss="cross_entropy", layer_kinds=("linear", "conv2d"))
     assert opt.coverage() == want
+    tied = want | {"embed.weight": "embedding"}
+    assert kaisa.KFAC(_Net(), loss="cross_entropy",
+                      layer_kinds=("linear", "embedding")).coverage() == tied
     every = kaisa.KFAC(_Net(), loss="cross_entropy", layer_kinds="all")
-    assert every.coverage() == want | {"norm.weight": "scale_shift", "norm.bias": "scale_shift"}
+    assert every.coverage() == tied | {"norm.weight": "scale_shift", "norm.bias": "scale_shift"}
 
 
 def test_uncovered_parameters_follow_adamw_on_their_raw_gradients() -> None:

@@ -169,7 +169,8 @@ def test_padding_row_gets_no_direction_from_kfac_with_weight_decay() -> None:
     with torch.no_grad():
         model.embed.weight[0] = 1.0  # weight decay would move it: the direction must not
     before = model.embed.weight.detach().clone()
-    opt = kaisa.KFAC(model, loss="cross_entropy", weight_decay=0.1, damping=0.1)
+    opt = kaisa.KFAC(model, loss="cross_entropy", weight_decay=0.1, damping=0.1,
+                     layer_kinds="all")
     assert opt.coverage()["embed.weight"] == "embedding"
     for step in range(4):
         tokens, targets = _tokens((6, 4), seed=step, low=0), _targets((6, 4), seed=step)
@@ -402,7 +403,7 @@ def test_embeddings_train_with_kfac_without_nan() -> None:
     torch.manual_seed(9)
     model = _Sequence()
     x, y = _sequence_batch()
-    opt = kaisa.KFAC(model, loss="cross_entropy", damping=0.1)
+    opt = kaisa.KFAC(model, loss="cross_entropy", damping=0.1, layer_kinds="all")
     assert opt.coverage()["tokens.weight"] == "embedding"
     assert opt.coverage()["positions.weight"] == "embedding"
     losses = [float(opt.step(lambda: (model(x), y))) for _ in range(8)]  # type: ignore[arg-type]

@@ -90,9 +90,9 @@ def register_blocks(
     claimed = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     cross = cross_attention_modules(model, cross_attention)
     names = {id(m): n for n, m in model.named_modules()}
-    pairs = {} if kinds is not None and not {"embedding", "linear"} & set(kinds) \
-        else tied_heads(model)
+    pairs = tied_heads(model)  # the head of a tied pair is never a block of its own
     claimed |= {id(head) for _, head in pairs.values()}
+    tied_on = kinds is None or EmbeddingBlock.kind in kinds
     users: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
@@ -102,7 +102,8 @@ def register_blocks(
     for name, module in model.named_modules():
         pair = pairs.get(id(getattr(module, "weight", None)))
         if pair is not None and pair[0] is module:
-            blocks.update(_tied(name, pair, names[id(pair[1])], skip, factor_dtype))
+            if tied_on:
+                blocks.update(_tied(name, pair, names[id(pair[1])], skip, factor_dtype))
             continue
         kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
         if kind is None or (kinds is not None and kind.kind not in kinds) or id(module) in claimed:

@@ -12,9 +12,10 @@ apart (:class:`UseStatistics`):
   ``G_h = H^T H / M_h`` from its input.
 
 They are averaged over micro-batches and ranks as stacks ``(uses, ...)``, then
-:meth:`TiedEmbeddingBlock.combine` makes the block's batch factors, the nearest Kronecker
-product of ``sum_u w_u A_u (x) G_u`` with ``w_u`` the uses' shares of the rows
-(:func:`kaisa.kronecker.nearest_kronecker`). The vocabulary side is dense up to
+:meth:`TiedEmbeddingBlock.combine` makes the block's batch factors, the pi-balanced sum
+of the uses' factors, a Kronecker product with at least the curvature of
+``sum_u w_u A_u (x) G_u`` in every direction (``w_u`` the uses' shares of the rows;
+:func:`kaisa.kronecker.balanced_kronecker`). The vocabulary side is dense up to
 :data:`~kaisa.distributed.memory.LARGE_FACTOR_DIM` and diagonal above it (the head's ``A_h``
 is then its diagonal). The head's bias is not tied and stays first-order.
 """
@@ -32,7 +33,7 @@ from kaisa.blocks.embedding import EmbeddingBlock
 from kaisa.blocks.state import BatchStatistics, tensor_bytes
 from kaisa.callsites import CallSite
 from kaisa.enums import KFACApprox, Side
-from kaisa.kronecker import nearest_kronecker
+from kaisa.kronecker import balanced_kronecker
 
 __all__ = ["TiedEmbeddingBlock", "UseStatistics", "tied_heads"]
 
@@ -160,12 +161,12 @@ class TiedEmbeddingBlock(EmbeddingBlock):
     def combine(
         self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The nearest Kronecker product of the uses' weighted terms (``(1, ...)`` each)."""
+        """The pi-balanced sum of the uses' factors (``(1, ...)`` each)."""
         if a_batch is None or g_batch is None:
             return None, None
         uses = a_batch.shape[0]
         weights = self.uses.weights if len(self.uses.weights) == uses else [1.0 / uses] * uses
-        x, y = nearest_kronecker(list(a_batch), list(g_batch), weights)
+        x, y = balanced_kronecker(list(a_batch), list(g_batch), weights)
         return x.unsqueeze(0), y.unsqueeze(0)
 
     # ------------------------------------------------------------------ gradients

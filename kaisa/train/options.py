@@ -233,7 +233,7 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         "--kfac-layer-kinds", default=None, metavar="KINDS",
         help="block kinds to register: all, or a comma list of linear, conv2d, conv1d, "
         "embedding, scale_shift, attention (default: linear,conv2d for +kfac, "
-        "linear,conv2d,conv1d,embedding,attention for --optimizer kfac)",
+        "linear,conv2d,conv1d,attention for --optimizer kfac)",
     )
     group.add_argument(
         "--kfac-cross-attention", default=None, metavar="REGEXES",
