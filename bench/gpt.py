@@ -36,7 +36,6 @@ import platform
 import re
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
