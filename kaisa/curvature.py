@@ -213,17 +213,18 @@ class KFACCurvature:
             recorder.g_passes, recorder.divisor = previous
 
     # ------------------------------------------------------------------ phases
-    def update_factors(self, decay: float) -> None:
+    def update_factors(self, decay: float, *, zero_start: bool = False) -> None:
         """Averages the step's batch factors over ranks and folds them in.
 
         Args:
             decay: The running-average decay ``rho``.
+            zero_start: Running factors start from zero, not the identity.
         """
         with self.timed("factors"):
             self._recorder.compute_saved()
             recorded = False
             for name, (a_batch, g_batch) in self._engine.averaged_factors().items():
-                self._blocks[name].factors.fold(a_batch, g_batch, decay)
+                self._blocks[name].factors.fold(a_batch, g_batch, decay, zero_start=zero_start)
                 recorded = recorded or a_batch is not None or g_batch is not None
             if recorded:
                 self._warn_silent_blocks()
@@ -273,10 +274,9 @@ class KFACCurvature:
         """Every Kronecker block's gradient matrix through a product's ``rule``; writes nothing.
 
         The block's gradient workers run ``rule(block, matrix)``, which may keep state in
-        ``block.decomposition`` (it lives, is checkpointed and gathered with the
-        decompositions); the other ranks receive the result
-        (:meth:`~kaisa.distributed.DistributedEngine.transform`). Diagonal blocks are left
-        out.
+        ``block.decomposition`` (kept, checkpointed and gathered with the decompositions);
+        the other ranks receive the result
+        (:meth:`~kaisa.distributed.DistributedEngine.transform`). Diagonal blocks are left out.
 
         Args:
             rule: The per-block computation.

@@ -176,7 +176,8 @@ class EKFAC(torch.optim.Optimizer):
             overflow = self._unscale()
             steps, schedules = self.steps, self._schedules
             if steps % schedules.integer("factor_update_steps", steps) == 0:
-                self.curvature.update_factors(schedules.real("factor_decay", steps))
+                self.curvature.update_factors(schedules.real("factor_decay", steps),
+                                              zero_start=True)
             if steps % schedules.integer("basis_update_steps", steps) == 0:
                 warm = self.config.warm_start and self.refreshes % self.config.eigh_every != 0
                 self.curvature.update_decompositions(0.0, warm_start=warm)
