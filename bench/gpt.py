@@ -15,9 +15,9 @@ Configurations (``--only`` picks some):
 * ``soap``: ``bench/soap.py`` (lr 1e-2, betas (0.95, 0.95), basis every 10 steps).
 * ``adamw+kfac``: ``kaisa.KFACPreconditioner`` (damping 0.03, factors every step,
   inverses every 10) + AdamW 3e-3.
-* ``ekfac@lr`` for lr 3e-3, 1e-2, 3e-2: ``kaisa.EKFAC`` (AdamW's betas and eps, factors
-  every step, eigenbases by ``eigh`` every 10 steps), and ``ekfac-qr@1e-2`` (the bases
-  refreshed by a warm-started QR step, ``eigh`` every 10th refresh).
+* ``ekfac@lr`` for AdamW's grid, lr 1e-3, 3e-3, 1e-2: ``kaisa.EKFAC`` (AdamW's betas and
+  eps, factors every step, eigenbases by ``eigh`` every 10 steps), and ``ekfac-qr@3e-3``
+  (the bases refreshed by a warm-started QR step, ``eigh`` every 10th refresh).
 * ``kfac``: ``kaisa.KFAC(model, loss="cross_entropy")`` with its defaults, and
   ``kfac@damping=0.1`` (kaisa-train's ``--task lm`` default: damping 0.1, inverses
   every 5, ``pi_inverse``). Adaptive lr and momentum: no schedule, no clipping.
@@ -56,10 +56,10 @@ from soap import SOAP
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ADAMW_GRID = (1e-3, 3e-3, 1e-2)
-EKFAC_GRID = (3e-3, 1e-2, 3e-2)
+EKFAC_GRID = ADAMW_GRID
 CONFIGS = (
     *(f"adamw@{lr:g}" for lr in ADAMW_GRID), "muon", "soap", "adamw+kfac", "kfac",
-    "kfac@damping=0.1", *(f"ekfac@{lr:g}" for lr in EKFAC_GRID), "ekfac-qr@0.01",
+    "kfac@damping=0.1", *(f"ekfac@{lr:g}" for lr in EKFAC_GRID), "ekfac-qr@0.003",
 )
 
 
