@@ -15,12 +15,15 @@ Configurations (``--only`` picks some):
 * ``soap``: ``bench/soap.py`` (lr 1e-2, betas (0.95, 0.95), basis every 10 steps).
 * ``adamw+kfac``: ``kaisa.KFACPreconditioner`` (damping 0.03, factors every step,
   inverses every 10) + AdamW 3e-3.
+* ``ekfac@lr`` for AdamW's grid, lr 1e-3, 3e-3, 1e-2: ``kaisa.EKFAC`` (AdamW's betas and
+  eps, factors every step, eigenbases by ``eigh`` every 10 steps), and ``ekfac-qr@3e-3``
+  (the bases refreshed by a warm-started QR step, ``eigh`` every 10th refresh).
 * ``kfac``: ``kaisa.KFAC(model, loss="cross_entropy")`` with its defaults, and
   ``kfac@damping=0.1`` (kaisa-train's ``--task lm`` default: damping 0.1, inverses
   every 5, ``pi_inverse``). Adaptive lr and momentum: no schedule, no clipping.
 
 The lr-based ones use warmup 20 steps then cosine to 10%, gradient clipping at norm
-1.0 (before preconditioning) and weight decay 0.1 on matrices (AdamW, Muon, SOAP).
+1.0 (before preconditioning) and weight decay 0.1 on matrices (AdamW, Muon, SOAP, EKFAC).
 
     python bench/gpt.py                       # 300 steps, context 64, batch 32, d 128
     python bench/gpt.py --tiny --steps 3 --out /tmp/gpt.json   # smoke test
@@ -52,9 +55,10 @@ from soap import SOAP
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ADAMW_GRID = (1e-3, 3e-3, 1e-2)
+EKFAC_GRID = ADAMW_GRID
 CONFIGS = (
     *(f"adamw@{lr:g}" for lr in ADAMW_GRID), "muon", "soap", "adamw+kfac", "kfac",
-    "kfac@damping=0.1",
+    "kfac@damping=0.1", *(f"ekfac@{lr:g}" for lr in EKFAC_GRID), "ekfac-qr@0.003",
 )
 
 
@@ -89,6 +93,7 @@ class Run:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.pre: Any = None
         self.kfac: Any = None
+        self.ekfac: Any = None
         self.clip = True
         params = unique_params(model)
         if name.startswith("adamw@"):
@@ -114,6 +119,14 @@ class Run:
                 lr=lambda _step: float(adamw.param_groups[0]["lr"]),
                 layer_kinds=("linear", "attention", "embedding"),
             )
+        elif name.startswith("ekfac"):
+            lr = float(name.partition("@")[2])
+            refresh = "qr" if name.startswith("ekfac-qr") else "eigh"
+            self.ekfac = kaisa.EKFAC(
+                model, lr=lr, param_groups=decay_groups(params, lr), factor_update_steps=1,
+                basis_update_steps=10, basis_refresh=refresh,
+            )
+            self.optimizers = [self.ekfac]
         elif name.startswith("kfac"):
             extra: dict[str, Any] = {}
             if name == "kfac@damping=0.1":
@@ -152,6 +165,8 @@ class Run:
             return {k: float(v) for k, v in phases.items()}
         if self.pre is not None:
             return {k: float(v) for k, v in self.pre.timings.items()}
+        if self.ekfac is not None:
+            return {k: float(v) for k, v in self.ekfac.curvature.timings.items()}
         return {}
 
 
@@ -212,6 +227,9 @@ def train_one(
         run.pre.remove_hooks()
     if run.kfac is not None:
         run.kfac.curvature.remove_hooks()
+    if run.ekfac is not None:
+        result["coverage"] = _coverage(run.ekfac, model)
+        run.ekfac.curvature.remove_hooks()
     return result
 
 

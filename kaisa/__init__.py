@@ -12,6 +12,7 @@ from __future__ import annotations
 from kaisa import ops
 from kaisa.blocks import KFACLayer
 from kaisa.config import KFACConfig
+from kaisa.ekfac import EKFAC, BasisRefresh
 from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 from kaisa.optimizer import KFAC, Curvature
 from kaisa.optimizer_config import JacobianMethod
@@ -19,8 +20,10 @@ from kaisa.preconditioner import KFACPreconditioner
 from kaisa.scheduler import LambdaParamScheduler
 
 __all__ = [
+    "EKFAC",
     "KFAC",
     "AssignmentStrategy",
+    "BasisRefresh",
     "ComputeMethod",
     "Curvature",
     "DistributedStrategy",

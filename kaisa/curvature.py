@@ -14,7 +14,8 @@ Phases, in the order a step uses them:
 * :meth:`~KFACCurvature.update_decompositions` (the damping);
 * :meth:`~KFACCurvature.precondition` (the damping; gradients given or read from
   ``.grad``), returning :class:`~kaisa.blocks.Preconditioned` directions and writing
-  nothing;
+  nothing, or :meth:`~KFACCurvature.transform` (a product's per-block rule in place of the
+  method's preconditioning: EKFAC's Adam step in the eigenbasis);
 * :meth:`~KFACCurvature.end_step`, or :meth:`~KFACCurvature.discard` for an abandoned
   step;
 * rank reductions (:meth:`~KFACCurvature.any_rank`, :meth:`~KFACCurvature.mean_over_ranks`)
@@ -40,18 +41,18 @@ from torch import nn
 
 from kaisa.blocks import CurvatureBlock, Preconditioned, register_blocks
 from kaisa.config import KFACConfig
+from kaisa.coverage import FIRST_ORDER, coverage_line, parameter_coverage
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.distributed.agreement import check_same_on_ranks
+from kaisa.distributed.engine import BlockRule
 from kaisa.distributed.gather import gather_decompositions
 from kaisa.hooks import StatisticsRecorder
-from kaisa.methods import make_method
+from kaisa.methods import SecondOrderMethod, make_method
 
 __all__ = ["FIRST_ORDER", "TIMING_KEYS", "KFACCurvature"]
 
 logger = logging.getLogger("kaisa")
 
-#: The coverage of a trainable parameter that no block covers.
-FIRST_ORDER = "first-order"
 #: Host seconds the core accounts, by phase.
 TIMING_KEYS = ("factors", "communication", "decompositions", "preconditioning")
 
@@ -64,6 +65,9 @@ class KFACCurvature:
         config: The validated configuration (its schedules and ``lr``/``kl_clip`` are
             the products' business; the core reads the structural fields).
         stacklevel: Where construction warnings point (the product's caller).
+        settings: The product's own settings every rank must share.
+        method: The second-order method (default: ``config.compute_method``'s); a product
+            whose rule keeps state with the decompositions brings its own.
 
     Raises:
         ValueError: If the model has no supported block.
@@ -76,6 +80,7 @@ class KFACCurvature:
         *,
         stacklevel: int = 2,
         settings: Mapping[str, object] | None = None,
+        method: SecondOrderMethod | None = None,
     ) -> None:
         self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
         self._warned_silent: set[str] = set()
@@ -97,7 +102,7 @@ class KFACCurvature:
             )
         self._blocks = blocks
         self._inv_dtype = config.inv_dtype
-        self._method = make_method(
+        self._method = method or make_method(
             config.compute_method, outer_product=config.compute_eigenvalue_outer_product
         )
         for block in blocks.values():
@@ -125,7 +130,7 @@ class KFACCurvature:
             len(blocks),
             ", ".join(f"{n} ({type(b.module).__name__})" for n, b in blocks.items()),
         )
-        self._coverage = _coverage(model, blocks)
+        self._coverage = parameter_coverage(model, blocks)
         logger.info("%s", self.coverage_summary(model))
 
     # ------------------------------------------------------------------ what it holds
@@ -149,16 +154,7 @@ class KFACCurvature:
 
     def coverage_summary(self, model: nn.Module) -> str:
         """One line: how many parameters and elements the blocks cover, and the rest."""
-        sizes = dict(model.named_parameters())
-        rest = [n for n, kind in self._coverage.items() if kind == FIRST_ORDER]
-        total = sum(sizes[n].numel() for n in self._coverage) or 1
-        covered = sum(sizes[n].numel() for n in self._coverage if n not in rest)
-        shown = ", ".join(rest[:8]) + (f" and {len(rest) - 8} more" if len(rest) > 8 else "")
-        return (
-            f"kaisa: K-FAC preconditions {len(self._coverage) - len(rest)} of "
-            f"{len(self._coverage)} trainable parameters ({100 * covered / total:.1f}% of "
-            f"the elements) in {len(self._blocks)} blocks; first-order: {shown or 'none'}"
-        )
+        return coverage_line(self._coverage, model, len(self._blocks))
 
     @property
     def engine(self) -> DistributedEngine:
@@ -218,11 +214,12 @@ class KFACCurvature:
             recorder.g_passes, recorder.divisor = previous
 
     # ------------------------------------------------------------------ phases
-    def update_factors(self, decay: float) -> None:
+    def update_factors(self, decay: float, *, zero_start: bool = False) -> None:
         """Averages the step's batch factors over ranks and folds them in.
 
         Args:
             decay: The running-average decay ``rho``.
+            zero_start: Running factors start from zero, not the identity.
         """
         with self.timed("factors"):
             self._recorder.compute_saved()
@@ -230,19 +227,21 @@ class KFACCurvature:
             for name, averaged in self._engine.averaged_factors().items():
                 block = self._blocks[name]
                 a_batch, g_batch = block.combine(*averaged)
-                block.factors.fold(a_batch, g_batch, decay)
+                block.factors.fold(a_batch, g_batch, decay, zero_start=zero_start)
                 recorded = recorded or a_batch is not None or g_batch is not None
             if recorded:
                 self._warn_silent_blocks()
 
-    def update_decompositions(self, damping: float) -> None:
+    def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:
         """Decomposes the factors (as placed) and sends them to the gradient workers.
 
         Args:
             damping: The damping the method uses.
+            warm_start: Let the method start from the stored decompositions
+                (:meth:`~kaisa.methods.SecondOrderMethod.refresh_dense`).
         """
         with self.timed("decompositions"):
-            self._engine.update_decompositions(damping)
+            self._engine.update_decompositions(damping, warm_start=warm_start)
 
     def precondition(
         self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
@@ -271,6 +270,31 @@ class KFACCurvature:
             kron = {e.block.name: e for e in self._engine.precondition(matrices, damping)}
             return [kron.get(name) or local[name] for name in self._blocks
                     if name in kron or name in local]
+
+    def transform(
+        self, rule: BlockRule, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
+    ) -> list[Preconditioned]:
+        """Every Kronecker block's gradient matrix through a product's ``rule``; writes nothing.
+
+        The block's gradient workers run ``rule(block, matrix)``, which may keep state in
+        ``block.decomposition`` (kept, checkpointed and gathered with the decompositions);
+        the other ranks receive the result
+        (:meth:`~kaisa.distributed.DistributedEngine.transform`). Diagonal blocks are left out.
+
+        Args:
+            rule: The per-block computation.
+            grads: As for :meth:`precondition`.
+
+        Returns:
+            One entry per Kronecker block with a gradient and a result, in model order.
+        """
+        with self.timed("preconditioning"):
+            matrices = {}
+            for name, block in self._blocks.items():
+                own = None if grads is None else [grads.get(p) for p in block.parameters()]
+                if not block.diagonal and (matrix := block.gradient_matrix(own)) is not None:
+                    matrices[name] = matrix
+            return self._engine.transform(matrices, rule)
 
     def end_step(self) -> None:
         """Ends a step: the recorder's per-step counters restart."""
@@ -415,15 +439,6 @@ class KFACCurvature:
                 )
                 warnings.warn(msg, RuntimeWarning, stacklevel=5)
                 logger.warning(msg)
-
-
-def _coverage(model: nn.Module, blocks: Mapping[str, CurvatureBlock]) -> dict[str, str]:
-    kinds = {id(p): b.kind for b in blocks.values() for p in b.parameters()}
-    return {
-        name: kinds.get(id(p), FIRST_ORDER)
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
 
 
 def _large_factor_message(f: FactorSize) -> str:

@@ -3,18 +3,22 @@
 :func:`sgd_update` is ``torch.optim.SGD``'s rule (momentum, then weight decay added to
 the direction) written once, so :class:`kaisa.KFAC`'s fixed mode equals
 ``KFACPreconditioner`` + ``torch.optim.SGD`` bit for bit; :func:`fixed_value` is the
-``lr``/``momentum`` such a step uses.
+``lr``/``momentum`` such a step uses. :func:`adam_moments` and :class:`AdamStep` are
+``torch.optim.AdamW``'s arithmetic (``foreach=False``) written once: :func:`adamw_update`
+applies it per parameter, and :class:`kaisa.EKFAC` in the Kronecker eigenbasis
+(``docs/conventions.md``, "EKFAC").
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["fixed_value", "sgd_update"]
+__all__ = ["AdamStep", "adam_moments", "adamw_update", "fixed_value", "sgd_update", "step_count"]
 
 
 def fixed_value(
@@ -71,3 +75,81 @@ def sgd_update(
                 buf.mul_(momentum).add_(d_p)
             d_p = buf
         p.add_(d_p, alpha=-lr)
+
+
+def adam_moments(m: torch.Tensor, v: torch.Tensor, r: torch.Tensor, beta1: float,
+                 beta2: float) -> None:
+    """``m <- b1 m + (1 - b1) r``, ``v <- b2 v + (1 - b2) r^2`` in place (AdamW's ops)."""
+    m.lerp_(r, 1 - beta1)
+    v.mul_(beta2).addcmul_(r, r, value=1 - beta2)
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """The scalars of one Adam step at step count ``step`` (after its increment).
+
+    Attributes:
+        lr: The learning rate.
+        beta1: The first moment's decay.
+        beta2: The second moment's decay.
+        eps: Added to the denominator.
+        step: The step count ``t`` (1 on the first step).
+    """
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    step: float
+
+    def update(self, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``(s m) / denom``: ``s = -lr / (1 - b1^t)``, ``denom = sqrt(v) / (1 - b2^t)^0.5 + eps``.
+
+        What ``param.addcdiv_(exp_avg, denom, value=s)`` adds to the parameter, as a tensor.
+        """
+        bias_correction1 = 1 - self.beta1**self.step
+        bias_correction2 = 1 - self.beta2**self.step
+        denom = (v.sqrt() / bias_correction2**0.5).add_(self.eps)
+        return torch.mul(m, -(self.lr / bias_correction1)).div_(denom)
+
+
+def adamw_update(
+    params: Sequence[torch.Tensor],
+    state: MutableMapping[Any, dict[str, Any]],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """``torch.optim.AdamW``'s step (``foreach=False``) on each parameter with a ``.grad``.
+
+    Args:
+        params: The parameters.
+        state: Per-parameter state as ``Optimizer.state`` (AdamW's ``step``, ``exp_avg``,
+            ``exp_avg_sq``; created at the first step).
+        lr: The learning rate.
+        betas: ``(beta1, beta2)``.
+        eps: Added to the denominator.
+        weight_decay: The decoupled weight decay.
+    """
+    for p in params:
+        if p.grad is None:
+            continue
+        own = state[p]
+        if "step" not in own:
+            own["step"] = step_count()
+            own["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            own["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        own["step"] += 1
+        if weight_decay != 0:
+            p.mul_(1 - lr * weight_decay)
+        adam_moments(own["exp_avg"], own["exp_avg_sq"], p.grad, *betas)
+        step = AdamStep(lr, *betas, eps, float(own["step"].item()))
+        p.add_(step.update(own["exp_avg"], own["exp_avg_sq"]))
+
+
+def step_count() -> torch.Tensor:
+    """A new step count as AdamW keeps it: a 0-d tensor on the CPU, 0."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(0.0, dtype=dtype)

@@ -22,6 +22,7 @@ __all__ = [
     "EigenResult",
     "damped_inverses",
     "eigen_decompositions",
+    "warm_eigen_decompositions",
 ]
 
 logger = logging.getLogger("kaisa")
@@ -104,6 +105,65 @@ def eigen_decompositions(
                 )
                 continue
             results[i] = EigenResult(one.eigenvalues.to(inv_dtype), one.eigenvectors.to(inv_dtype))
+    return results
+
+
+def warm_eigen_decompositions(
+    factors: Sequence[torch.Tensor],
+    previous: Sequence[torch.Tensor | None],
+    *,
+    inv_dtype: torch.dtype,
+    names: Sequence[str] | None = None,
+) -> list[EigenResult | None]:
+    """Eigenbases refreshed by one subspace-iteration step from the previous ones.
+
+    Per factor ``F`` with previous basis ``Q0`` (``docs/conventions.md``, "EKFAC"):
+    ``P = F Q0``, estimated eigenvalues ``e = diag(Q0^T F Q0)``, columns ordered by ``e``
+    descending, ``Q, R = qr(P)`` with each column's sign made that of ``R_jj`` (a converged
+    basis maps to itself), then the columns and ``e`` reversed into ascending order (as
+    :func:`eigen_decompositions` returns them), ``e`` clamped at 0. Factors without a
+    previous basis, and those whose warm start is not finite, are decomposed by
+    :func:`eigen_decompositions` (and may fail as there).
+
+    Args:
+        factors: Factor batches ``(B_i, n_i, n_i)``.
+        previous: Per factor its previous eigenvectors ``(B_i, n_i, n_i)``, or ``None``.
+        inv_dtype: Storage dtype of the results (computed in its working dtype).
+        names: Names for the warnings.
+
+    Returns:
+        One :class:`EigenResult` (in ``inv_dtype``) or ``None`` (failed) per factor.
+    """
+    results: list[EigenResult | None] = [None] * len(factors)
+    dtype = working_dtype(inv_dtype)
+    warm = [i for i, q in enumerate(previous) if q is not None]
+    for members in _size_groups([factors[i] if i in warm else None
+                                 for i in range(len(factors))]).values():
+        sizes = [factors[i].shape[0] for i in members]
+        f = torch.cat([factors[i] for i in members]).to(dtype)
+        q0 = torch.cat([previous[i] for i in members]).to(dtype)  # type: ignore[misc]
+        p = f @ q0
+        estimates = (q0 * p).sum(dim=-2)
+        order = torch.argsort(estimates, dim=-1, descending=True, stable=True)
+        q, r = torch.linalg.qr(torch.take_along_dim(p, order.unsqueeze(-2), dim=-1))
+        signs = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(dtype)
+        q = (q * signs.unsqueeze(-2)).flip(-1)
+        values = torch.take_along_dim(estimates, order, dim=-1).flip(-1).clamp(min=0.0)
+        vecs_split, vals_split = torch.split(q, sizes), torch.split(values, sizes)
+        finite = torch.stack([all_finite(t) for t in (*vecs_split, *vals_split)])
+        ok = finite.view(2, -1).all(dim=0).tolist()
+        for i, good, vals, vecs in zip(members, ok, vals_split, vecs_split, strict=True):
+            if good:
+                results[i] = EigenResult(vals.to(inv_dtype), vecs.to(inv_dtype))
+    cold = [i for i in range(len(factors)) if results[i] is None]
+    if cold:
+        if any(i in warm for i in cold):
+            logger.debug("warm-started eigenbasis not finite for %s; eigh instead",
+                         [_name(names, i) for i in cold if i in warm])
+        redone = eigen_decompositions([factors[i] for i in cold], inv_dtype=inv_dtype,
+                                      names=[_name(names, i) for i in cold])
+        for i, res in zip(cold, redone, strict=True):
+            results[i] = res
     return results
 
 

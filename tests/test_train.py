@@ -376,3 +376,36 @@ def test_kfac_optimizer_cannot_take_a_preconditioner(
     with pytest.raises(SystemExit):
         main(_args(tmp_path, "--compare", "kfac+kfac"))
     assert "OPTIMIZER[+kfac]" in capsys.readouterr().err
+
+
+# --- kaisa.EKFAC in the app ---------------------------------------------------------------
+
+
+def test_ekfac_compares_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    common = ["--no-plot", "--compare", "adamw,ekfac@kfac-basis-refresh=qr",
+              "--kfac-inv-update-steps", "3", "--weight-decay", "0.01"]
+    assert main(_args(tmp_path, *common, "--name", "split", "--epochs", "2")) == 0
+    assert main(_args(tmp_path, *common, "--name", "split", "--epochs", "3", "--resume")) == 0
+    assert main(_args(tmp_path, *common, "--name", "whole", "--epochs", "3")) == 0
+    name = "checkpoint-ekfac_kfac-basis-refresh=qr.pt"
+    split = torch.load(tmp_path / "split" / name, weights_only=True)
+    whole = torch.load(tmp_path / "whole" / name, weights_only=True)
+    for key, value in whole["model"].items():
+        assert torch.equal(split["model"][key], value), key
+    assert "exp_avg" in next(iter(whole["optimizer"]["kaisa"]["layers"].values()))
+    records = [r for r in _records(tmp_path / "whole" / "metrics.jsonl")
+               if r["config"].startswith("ekfac")]
+    assert [r["epoch"] for r in records] == [0, 1, 2, 3]
+    assert set(records[-1]["kfac"]) >= {"factors", "decompositions", "preconditioning"}
+    assert records[-1]["train_mse"] < records[0]["train_mse"]
+
+
+def test_ekfac_cannot_take_a_preconditioner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(_args(tmp_path, "--compare", "ekfac+kfac"))
+    assert "OPTIMIZER[+kfac]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(_args(tmp_path, "--optimizer", "ekfac", "--kfac"))
+    assert "K-FAC itself" in capsys.readouterr().err

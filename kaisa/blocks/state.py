@@ -96,15 +96,20 @@ class RunningFactors:
     #: Sides kept as diagonals (start from ones, not the identity).
     diagonal_sides: frozenset[Side] = frozenset()
 
-    def fold(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, rho: float) -> None:
-        """Folds batch factors in; a non-finite batch is skipped (and counted)."""
+    def fold(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, rho: float,
+             *, zero_start: bool = False) -> None:
+        """Folds batch factors in; a non-finite batch is skipped (and counted).
+
+        A factor that does not exist yet starts from the identity (ones when diagonal),
+        or from zero with ``zero_start``.
+        """
         diagonal = self.diagonal_sides
         if a_batch is not None:
             self.a, self.skipped_a = _fold(self.a, a_batch, rho, self.skipped_a,
-                                           Side.A in diagonal)
+                                           Side.A in diagonal, zero_start)
         if g_batch is not None:
             self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g,
-                                           Side.G in diagonal)
+                                           Side.G in diagonal, zero_start)
 
     @property
     def skipped(self) -> int:
@@ -123,8 +128,11 @@ def _fold(
     rho: float,
     skipped: torch.Tensor | None,
     diagonal: bool = False,
+    zero_start: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if running is None and diagonal:
+    if running is None and zero_start:
+        running = torch.zeros_like(batch)
+    elif running is None and diagonal:
         running = torch.ones_like(batch)
     elif running is None:
         eye = torch.eye(batch.shape[-1], dtype=batch.dtype, device=batch.device)

@@ -1,6 +1,6 @@
 """Distributed K-FAC: KAISA strategies, placement, fused communication and the engine."""
 
-from kaisa.distributed.engine import DistributedEngine
+from kaisa.distributed.engine import BlockRule, DistributedEngine
 from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.memory import (
     LARGE_FACTOR_DIM,
@@ -26,6 +26,7 @@ from kaisa.distributed.strategy import (
 from kaisa.distributed.torch_comm import TorchDistCommunicator, make_communicator
 
 __all__ = [
+    "BlockRule",
     "LARGE_FACTOR_DIM",
     "CommHandle",
     "CommStats",

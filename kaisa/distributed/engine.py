@@ -9,8 +9,9 @@ code runs with no communication. At fixed points of a step it
   backward pass; :meth:`~DistributedEngine.averaged_factors` waits for all of them);
 * decomposes the factors the placement assigns to this rank and broadcasts the
   results to each layer's gradient workers (:meth:`~DistributedEngine.update_decompositions`);
-* has the gradient workers precondition and, where some ranks are not gradient
-  workers (MEM-OPT, HYBRID-OPT), broadcast the preconditioned gradients
+* has the gradient workers precondition (or run a product's per-block rule, which may
+  keep state with the block's decompositions: :meth:`~DistributedEngine.transform`) and,
+  where some ranks are not gradient workers (MEM-OPT, HYBRID-OPT), broadcast the results
   (:meth:`~DistributedEngine.precondition`).
 
 It moves payloads; the math is the second-order method's
@@ -25,7 +26,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from fractions import Fraction
 from typing import Any, TypeAlias
@@ -51,11 +52,14 @@ from kaisa.enums import Side
 from kaisa.finite import all_finite
 from kaisa.methods import Damping, Payload, SecondOrderMethod
 
-__all__ = ["DistributedEngine"]
+__all__ = ["BlockRule", "DistributedEngine"]
 
 logger = logging.getLogger("kaisa")
 
 _Key: TypeAlias = tuple[str, Side]  # (block name, side)
+#: What a block's gradient workers compute from its gradient matrix
+#: (:meth:`DistributedEngine.transform`): a matrix of its shape, or ``None``.
+BlockRule: TypeAlias = Callable[[CurvatureBlock, torch.Tensor], torch.Tensor | None]
 
 
 class DistributedEngine:
@@ -251,7 +255,7 @@ class DistributedEngine:
         self._pending_factors.clear()
 
     # ------------------------------------------------------------------ decompositions
-    def update_decompositions(self, damping: float) -> None:
+    def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:
         """Decomposes this rank's assigned factors and broadcasts them to grad workers.
 
         A failed decomposition keeps the previous one on every gradient worker: the
@@ -260,11 +264,14 @@ class DistributedEngine:
 
         Args:
             damping: The current damping.
+            warm_start: Give the method each factor's stored payload (the source is a
+                gradient worker, so it holds it) to start from
+                (:meth:`~kaisa.methods.SecondOrderMethod.refresh_dense`).
         """
         layers = [la for la in self._layers.values() if la.a is not None and la.g is not None]
         if not layers:
             return
-        computed = self._decompose_assigned(layers, damping)
+        computed = self._decompose_assigned(layers, damping, warm_start)
         sym = self._config.symmetry_aware
         pending: list[tuple[CurvatureBlock, Side, int, list[CommHandle]]] = []
         for la in layers:
@@ -298,7 +305,7 @@ class DistributedEngine:
                 )
 
     def _decompose_assigned(
-        self, layers: Sequence[CurvatureBlock], damping: float
+        self, layers: Sequence[CurvatureBlock], damping: float, warm_start: bool = False
     ) -> dict[_Key, Payload | None]:
         """Decomposes the factors the placement assigns to this rank, in one batch."""
         mine: list[tuple[CurvatureBlock, Side, Damping]] = []
@@ -321,6 +328,8 @@ class DistributedEngine:
             inv_dtype=self._config.inv_dtype,
             names=[f"{la.name}.{side.value}" for la, side, _ in mine],
             diagonal=[la.is_diagonal(side) for la, side, _ in mine],
+            previous=[self._method.stored(la.decomposition, side, diagonal=la.diagonal_sides)
+                      for la, side, _ in mine] if warm_start else None,
         )
         return {
             (la.name, side): None if res is None else self._as_received(
@@ -365,20 +374,30 @@ class DistributedEngine:
     def precondition(
         self, gradients: Mapping[str, torch.Tensor], damping: float
     ) -> list[Preconditioned]:
-        """Every block's preconditioned gradient matrix on every rank.
+        """:meth:`transform` with the method's preconditioning at ``damping``."""
+        method = self._method
+        return self.transform(gradients, lambda layer, grad: method.precondition(
+            layer.decomposition, grad, damping, diagonal=layer.diagonal_sides))
 
-        Gradient workers precondition; where a block has receivers (ranks that are not
-        its gradient workers), its worker broadcasts ``[P.flatten(), valid]`` to them.
+    def transform(
+        self, gradients: Mapping[str, torch.Tensor], rule: BlockRule
+    ) -> list[Preconditioned]:
+        """Every block's gradient matrix through ``rule``, on every rank.
+
+        Gradient workers call ``rule(block, grad)`` (it may update the block's
+        ``decomposition``, which only they hold); where a block has receivers (ranks that
+        are not its gradient workers), its worker broadcasts ``[result.flatten(), valid]``
+        to them (``valid`` 0 when the rule gave ``None``).
 
         Args:
             gradients: ``name -> gradient matrix`` of the blocks that have one (the same
                 on every rank).
-            damping: The current damping.
+            rule: The per-block computation (a result of the gradient's shape).
 
         Returns:
             One entry per block with a gradient and a result, in model order.
         """
-        rank, method = self._rank, self._method
+        rank = self._rank
         # Model order: a finished entry, or (block, grad, buffer, handle) to wait for.
         slots: list[Preconditioned | tuple[CurvatureBlock, torch.Tensor, torch.Tensor,
                                            CommHandle]] = []
@@ -389,8 +408,7 @@ class DistributedEngine:
                 continue
             lp = self._placement[layer.name]
             if rank in lp.grad_workers:
-                precond = method.precondition(layer.decomposition, grad, damping,
-                                              diagonal=layer.diagonal_sides)
+                precond = rule(layer, grad)
                 if not lp.grad_receivers[rank]:
                     if precond is not None:
                         slots.append(Preconditioned(layer, grad, precond))

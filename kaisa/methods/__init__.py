@@ -12,6 +12,7 @@ from collections.abc import Callable
 from kaisa.enums import ComputeMethod
 from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
 from kaisa.methods.eigen import EigenMethod
+from kaisa.methods.eigen_adam import EigenAdamMethod
 from kaisa.methods.inverse import InverseMethod, PiInverseMethod
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "METHODS",
     "Damping",
     "Diagonal",
+    "EigenAdamMethod",
     "EigenMethod",
     "InverseMethod",
     "Payload",

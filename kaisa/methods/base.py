@@ -71,12 +71,14 @@ class SecondOrderMethod(abc.ABC):
         inv_dtype: torch.dtype,
         names: Sequence[str],
         diagonal: Sequence[bool] | None = None,
+        previous: Sequence[Payload | None] | None = None,
     ) -> list[Payload | None]:
         """Decomposes factor batches; ``None`` marks a failure.
 
-        Dense factors ``(blocks, n, n)`` go to :meth:`decompose_dense` in one call;
-        diagonal ones ``(blocks, n)`` to :meth:`decompose_diagonal`, and a non-finite
-        diagonal result is a failure (one host synchronisation for all of them).
+        Dense factors ``(blocks, n, n)`` go to :meth:`decompose_dense` in one call (to
+        :meth:`refresh_dense` when ``previous`` is given); diagonal ones ``(blocks, n)`` to
+        :meth:`decompose_diagonal`, and a non-finite diagonal result is a failure (one host
+        synchronisation for all of them).
 
         Args:
             factors: The running factors to decompose.
@@ -84,20 +86,21 @@ class SecondOrderMethod(abc.ABC):
             inv_dtype: Storage dtype of the results.
             names: One name per factor, for warnings.
             diagonal: Per factor, whether it is a diagonal (default: none is).
+            previous: Per factor, the payload stored for it (a warm start), or ``None``.
 
         Returns:
             One payload (or ``None``) per factor.
         """
         flags = [False] * len(factors) if diagonal is None else list(diagonal)
         if not any(flags):
-            return self.decompose_dense(factors, damping=damping, inv_dtype=inv_dtype,
-                                        names=names)
+            return self._dense(factors, damping, inv_dtype, names, previous)
         out: list[Payload | None] = [None] * len(factors)
         dense = [i for i, flag in enumerate(flags) if not flag]
         if dense:
-            results = self.decompose_dense(
-                [factors[i] for i in dense], damping=[damping[i] for i in dense],
-                inv_dtype=inv_dtype, names=[names[i] for i in dense],
+            results = self._dense(
+                [factors[i] for i in dense], [damping[i] for i in dense], inv_dtype,
+                [names[i] for i in dense], None if previous is None else [previous[i]
+                                                                          for i in dense],
             )
             for i, res in zip(dense, results, strict=True):
                 out[i] = res
@@ -110,6 +113,36 @@ class SecondOrderMethod(abc.ABC):
                 logger.warning("the diagonal %s is not finite after damping; keeping the "
                                "previous decomposition", names[i])
         return out
+
+    def _dense(
+        self, factors: Sequence[torch.Tensor], damping: Sequence[Damping],
+        inv_dtype: torch.dtype, names: Sequence[str], previous: Sequence[Payload | None] | None,
+    ) -> list[Payload | None]:
+        if previous is None:
+            return self.decompose_dense(factors, damping=damping, inv_dtype=inv_dtype,
+                                        names=names)
+        return self.refresh_dense(factors, previous, damping=damping, inv_dtype=inv_dtype,
+                                  names=names)
+
+    def refresh_dense(
+        self,
+        factors: Sequence[torch.Tensor],
+        previous: Sequence[Payload | None],
+        *,
+        damping: Sequence[Damping],
+        inv_dtype: torch.dtype,
+        names: Sequence[str],
+    ) -> list[Payload | None]:
+        """Dense decompositions that may start from the stored ones (default: ignore them).
+
+        Args:
+            factors: Dense factor batches ``(blocks, n, n)``.
+            previous: Per factor, its stored payload or ``None``.
+            damping: See :meth:`decompose`.
+            inv_dtype: See :meth:`decompose`.
+            names: See :meth:`decompose`.
+        """
+        return self.decompose_dense(factors, damping=damping, inv_dtype=inv_dtype, names=names)
 
     @abc.abstractmethod
     def decompose_dense(

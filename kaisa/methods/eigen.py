@@ -33,7 +33,7 @@ class EigenMethod(SecondOrderMethod):
         outer_product: Store ``1 / (dG dA^T + damping)`` at decomposition time.
     """
 
-    state_keys = ("qa", "da", "qg", "dg", "dgda")
+    state_keys: tuple[str, ...] = ("qa", "da", "qg", "dg", "dgda")
     symmetric = (False, False)
 
     def __init__(self, *, outer_product: bool = True) -> None:
@@ -49,6 +49,25 @@ class EigenMethod(SecondOrderMethod):
     ) -> list[Payload | None]:
         """See :meth:`SecondOrderMethod.decompose`; payload ``[Q, d]`` (damping unused)."""
         results = linalg.eigen_decompositions(factors, inv_dtype=inv_dtype, names=names)
+        return [None if r is None else [r.eigenvectors, r.eigenvalues] for r in results]
+
+    def refresh_dense(
+        self,
+        factors: Sequence[torch.Tensor],
+        previous: Sequence[Payload | None],
+        *,
+        damping: Sequence[Damping],
+        inv_dtype: torch.dtype,
+        names: Sequence[str],
+    ) -> list[Payload | None]:
+        """Warm-started bases: one subspace-iteration step from the stored eigenvectors.
+
+        :func:`kaisa.linalg.warm_eigen_decompositions` (``eigh`` where none is stored or the
+        step is not finite); the eigenvalues are the estimates ``diag(Q0^T F Q0)``.
+        """
+        results = linalg.warm_eigen_decompositions(
+            factors, [None if p is None else p[0] for p in previous], inv_dtype=inv_dtype,
+            names=names)
         return [None if r is None else [r.eigenvectors, r.eigenvalues] for r in results]
 
     def decompose_diagonal(

@@ -9,7 +9,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 
@@ -24,7 +24,7 @@ from kaisa.train.data import (
 )
 from kaisa.train.files import write_atomic
 from kaisa.train.lock import RunDirBusyError, RunLock
-from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner
+from kaisa.train.optim import OWN_CURVATURE, build_kfac, build_optimizer, build_preconditioner
 from kaisa.train.options import build_parser
 from kaisa.train.text import STDLIB_TEXT, load_text
 from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, model_for, train
@@ -116,7 +116,9 @@ def _check(config: argparse.Namespace, data: Dataset) -> None:
                 raise ValueError("optimizer kfac does not support --accumulation-steps > 1")
             build_kfac(model, config).curvature.remove_hooks()
         else:
-            optimizer = build_optimizer(model.parameters(), config)
+            optimizer = build_optimizer(model, config)
+            if config.optimizer == "ekfac":
+                cast(Any, optimizer).curvature.remove_hooks()
             if config.kfac:
                 build_preconditioner(model, config, optimizer).remove_hooks()
     except (ValueError, TypeError) as error:
@@ -125,6 +127,8 @@ def _check(config: argparse.Namespace, data: Dataset) -> None:
 
 def _specs(options: argparse.Namespace, parser: argparse.ArgumentParser) -> list[RunSpec]:
     if options.compare is None:
+        if options.kfac and options.optimizer in OWN_CURVATURE:
+            raise UsageError(f"--optimizer {options.optimizer} is K-FAC itself; drop --kfac")
         return [RunSpec(optimizer=options.optimizer, kfac=options.kfac)]
     try:
         specs = [parse_spec(item, parser) for item in options.compare.split(",") if item.strip()]

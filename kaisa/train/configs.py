@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kaisa.train.optim import OPTIMIZERS
+from kaisa.train.optim import OPTIMIZERS, OWN_CURVATURE
 
 #: Option destinations a ``@key=value`` override may change. Everything else
 #: (model, data, batch size, budget, seed) is shared so comparisons are fair.
@@ -85,6 +85,12 @@ TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
         "kfac_inv_update_steps": 5,
         "kfac_compute_method": "pi_inverse",
     },
+    # kaisa.EKFAC: AdamW's lr (not tuned here); factors every step, bases every 10 steps
+    ("autoencode", "ekfac", False): {"lr": 3e-3},
+    ("classify", "ekfac", False): {"lr": 1e-2},
+    ("lm", "ekfac", False): {"lr": 1e-2, "kfac_factor_update_steps": 1,
+                             "kfac_inv_update_steps": 10},
+    (None, "ekfac", False): {"lr": 1e-3},
     (None, "sgd", False): {"lr": 0.1},
     (None, "adamw", False): {"lr": 1e-3},
     (None, "sgd", True): {"lr": 0.1},
@@ -143,7 +149,7 @@ def parse_spec(text: str, parser: argparse.ArgumentParser) -> RunSpec:
     """
     base, *items = text.strip().split("@")
     optimizer, plus, suffix = base.partition("+")
-    if optimizer not in OPTIMIZERS or (plus and (suffix != "kfac" or optimizer == "kfac")):
+    if optimizer not in OPTIMIZERS or (plus and (suffix != "kfac" or optimizer in OWN_CURVATURE)):
         raise ValueError(
             f"invalid configuration {text!r}: expected OPTIMIZER[+kfac][@key=value...] "
             f"with OPTIMIZER one of {', '.join(OPTIMIZERS)}"

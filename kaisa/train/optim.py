@@ -10,9 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "kfac")
-"""``kfac`` is :class:`kaisa.KFAC` (adaptive lr, momentum and damping); ``sgd+kfac`` is SGD
-with :class:`kaisa.KFACPreconditioner`."""
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "kfac", "ekfac")
+"""``kfac`` is :class:`kaisa.KFAC` (adaptive lr, momentum and damping); ``ekfac`` is
+:class:`kaisa.EKFAC` (Adam in the K-FAC eigenbasis, AdamW's lr and schedule); ``sgd+kfac`` is
+SGD with :class:`kaisa.KFACPreconditioner`."""
+#: The optimizers that are K-FAC themselves (no ``+kfac``; they own their curvature).
+OWN_CURVATURE: tuple[str, ...] = ("kfac", "ekfac")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 STRATEGIES: tuple[str, ...] = ("comm_opt", "mem_opt", "hybrid_opt")
 DTYPES: dict[str, torch.dtype | None] = {
@@ -69,8 +72,33 @@ def _curvature_arguments(options: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def build_optimizer(params: Any, options: argparse.Namespace) -> torch.optim.Optimizer:
-    """Create the SGD or AdamW optimiser described by ``options``."""
+def build_ekfac(model: nn.Module, options: argparse.Namespace) -> Any:
+    """:class:`kaisa.EKFAC` from ``--lr``, ``--weight-decay`` and the ``--kfac-*`` options.
+
+    ``--kfac-inv-update-steps`` is its ``basis_update_steps``; the damping and the compute
+    method do not apply.
+    """
+    import kaisa
+
+    curvature = _curvature_arguments(options)
+    for name in ("damping", "compute_method", "inv_dtype"):
+        del curvature[name]
+    return kaisa.EKFAC(
+        model, lr=options.lr, weight_decay=options.weight_decay,
+        basis_update_steps=curvature.pop("inv_update_steps"),
+        basis_refresh=options.kfac_basis_refresh,
+        inv_dtype=DTYPES[options.kfac_inv_dtype],
+        accumulation_steps=options.accumulation_steps,
+        update_factors_in_hook=options.kfac_update_factors_in_hook,
+        **curvature,
+    )
+
+
+def build_optimizer(model: nn.Module, options: argparse.Namespace) -> torch.optim.Optimizer:
+    """Create the SGD, AdamW or EKFAC optimiser described by ``options``."""
+    params = model.parameters()
+    if options.optimizer == "ekfac":
+        return build_ekfac(model, options)  # type: ignore[no-any-return]
     if options.optimizer == "sgd":
         return torch.optim.SGD(
             params,

@@ -225,6 +225,11 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         help="optimizer kfac: Levenberg-Marquardt damping (default: on)",
     )
     group.add_argument(
+        "--kfac-basis-refresh", choices=("eigh", "qr"), default="eigh",
+        help="optimizer ekfac: refresh the eigenbases by eigh, or by one warm-started "
+        "QR step with eigh every 10th refresh (default: %(default)s)",
+    )
+    add(
         "--kfac-approx", choices=("expand", "reduce"), default="expand",
         help="Linear layers on sequences: every position a row (expand) or one row per "
         "example (reduce: inputs averaged, output gradients summed) (default: expand)",
@@ -361,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer",
         choices=OPTIMIZERS,
         default="sgd",
-        help="optimiser; kfac is kaisa.KFAC: K-FAC with adaptive lr, momentum and damping "
-        "(default: %(default)s)",
+        help="optimiser; kfac is kaisa.KFAC: K-FAC with adaptive lr, momentum and damping; "
+        "ekfac is kaisa.EKFAC: Adam in the K-FAC eigenbasis (default: %(default)s)",
     )
     add("--lr", type=_finite(low=0.0), default=None, help="base learning rate (default: tuned)")
     add("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")

@@ -25,7 +25,13 @@ from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
 from kaisa.train.distributed import DistContext, all_reduce_sum, data_parallel
 from kaisa.train.files import deferred_interrupt
-from kaisa.train.optim import build_kfac, build_optimizer, build_preconditioner, build_scheduler
+from kaisa.train.optim import (
+    OWN_CURVATURE,
+    build_kfac,
+    build_optimizer,
+    build_preconditioner,
+    build_scheduler,
+)
 
 Record = dict[str, Any]
 
@@ -179,8 +185,11 @@ class Trainer:
         self.optimizer: Any = (
             build_kfac(self.model, options)
             if self.kfac_optimizer
-            else build_optimizer(self.model.parameters(), options)
+            else build_optimizer(self.model, options)
         )
+        #: kaisa.KFAC or kaisa.EKFAC: the optimizer owns the curvature (no separate
+        #: preconditioner; its state dict gathers the decompositions).
+        self.owns_curvature = options.optimizer in OWN_CURVATURE
         self.sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
             TensorDataset(torch.arange(data.train_size)),
             num_replicas=context.world_size,
@@ -199,10 +208,10 @@ class Trainer:
         self.pre: Any = (
             build_preconditioner(self.model, options, self.optimizer) if options.kfac else None
         )
-        if self.kfac_optimizer:
+        if self.owns_curvature:
             self.pre = cast(Any, self.optimizer).curvature
         if self.pre is not None and context.is_main and not options.quiet:
-            print(kfac_summary(options.label, self.pre.curvature if not self.kfac_optimizer
+            print(kfac_summary(options.label, self.pre.curvature if not self.owns_curvature
                                else self.pre), flush=True)
         self.kfac_offset: dict[str, float] = {}
         self.epoch = 0
@@ -214,7 +223,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])  # KFAC: also its preconditioner
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.pre is not None and not self.kfac_optimizer:
+        if self.pre is not None and not self.owns_curvature:
             self.pre.load_state_dict(state["preconditioner"])
         checkpoint.set_rng_state(state["rng"])
         result = self.result
@@ -238,12 +247,12 @@ class Trainer:
             "model": self.model.state_dict(),
             # K-FAC: with the decompositions other ranks hold (MEM-OPT, HYBRID-OPT)
             "optimizer": (cast(Any, self.optimizer).state_dict(gather=True)
-                          if self.kfac_optimizer else self.optimizer.state_dict()),
+                          if self.owns_curvature else self.optimizer.state_dict()),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(),
             "preconditioner": (
                 self.pre.state_dict(gather=True)
-                if self.pre is not None and not self.kfac_optimizer
+                if self.pre is not None and not self.owns_curvature
                 else None
             ),
         }
@@ -331,7 +340,7 @@ class Trainer:
                 (loss / self.options.accumulation_steps).backward()
         correct = (output.detach().argmax(1) == y).sum() if self.options.task == "classify" else 0
         if last_micro and not self.kfac_optimizer:
-            if self.pre is not None:
+            if self.pre is not None and not self.owns_curvature:
                 self.pre.step()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,332 @@
+"""``kaisa.EKFAC``: Adam in the Kronecker eigenbasis, a drop-in for ``torch.optim.AdamW``.
+
+EKFAC (George et al., 2018) with Adam's moments, as SOAP (Vyas et al., 2024) runs them in
+Shampoo's eigenbasis; the exact update is ``docs/conventions.md``'s "EKFAC" section. On
+the curvature core (:class:`~kaisa.curvature.KFACCurvature`: every KAISA strategy works):
+the hooks record the K-FAC factors of the registered blocks on factor-update steps, the
+bases are refreshed every ``basis_update_steps`` (by ``eigh`` or a warm-started QR step),
+and each block's Adam step runs in its eigenbasis on its gradient workers
+(:meth:`~kaisa.curvature.KFACCurvature.transform` with
+:meth:`~kaisa.methods.EigenAdamMethod.adam_step`; the moments live with the bases).
+Parameters no Kronecker block covers take ``torch.optim.AdamW``'s step. With the identity
+basis EKFAC is AdamW bit for bit.
+
+Usage, as AdamW's::
+
+    opt = kaisa.EKFAC(model, lr=1e-3, weight_decay=0.1)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Mixed precision: pass the ``torch.amp.GradScaler`` as ``grad_scaler`` (the hooks divide
+the output gradients by its scale) and call ``scaler.step(opt)`` and ``scaler.update()``
+as for AdamW; bf16 autocast needs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from kaisa.config import KFACConfig
+from kaisa.curvature import KFACCurvature
+from kaisa.ekfac_config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
+from kaisa.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
+from kaisa.first_order import AdamStep, adamw_update, step_count
+from kaisa.hyperparams import Schedule, Schedules, check_count
+from kaisa.methods import EigenAdamMethod
+
+__all__ = ["EKFAC", "BasisRefresh"]
+
+#: The core's schedules EKFAC evaluates (numbers or callables of the step).
+_SCHEDULES = ("factor_update_steps", "basis_update_steps", "factor_decay")
+
+
+class EKFAC(torch.optim.Optimizer):
+    """Adam in the eigenbasis of each block's K-FAC factors (see the module docstring).
+
+    Args:
+        model: The model; its Kronecker blocks (``layer_kinds``) take the EKFAC step, every
+            other trainable parameter AdamW's.
+        lr: Learning rate (AdamW's meaning; the default of the param groups).
+        betas: ``(beta1, beta2)`` of Adam's moments.
+        eps: Added to the denominator.
+        weight_decay: Decoupled weight decay (``p <- p (1 - lr wd)``).
+        param_groups: Parameter groups as for ``torch.optim`` (dicts with ``'params'`` and
+            any of ``lr``, ``betas``, ``eps``, ``weight_decay``) that partition the model's
+            trainable parameters; default one group of all. A block's parameters must
+            share ``lr``, ``betas`` and ``eps``.
+        factor_update_steps: Steps between factor updates (int or callable of the step).
+        basis_update_steps: Steps between eigenbasis refreshes (int or callable).
+        factor_decay: Running-average decay of the factors (float or callable).
+        basis_refresh: ``'qr'`` (a warm-started subspace-iteration step, a full ``eigh``
+            every ``eigh_every``-th refresh) or ``'eigh'`` (always a full one).
+        eigh_every: See ``basis_refresh``.
+        kfac_approx: Linear blocks on sequences: ``'expand'`` or ``'reduce'``.
+        layer_kinds: The block kinds to register (``'all'``: every Kronecker kind).
+        skip_layers: Module names or class names (regular expressions) not to register.
+        factor_dtype: Factor dtype (``None``: the activations', at least float32).
+        inv_dtype: Dtype of the bases and moments (``None``: the parameters' working dtype).
+        accumulation_steps: Micro-batches (backward passes) per step.
+        update_factors_in_hook: Compute the factors in the hooks (else in :meth:`step`).
+        grad_scaler: The ``torch.amp.GradScaler`` used with ``scaler.step(opt)``, or
+            ``None``.
+        grad_worker_fraction: KAISA's strategy (:class:`~kaisa.DistributedStrategy`, a
+            float in ``(0, 1]`` or ``'auto'`` with ``memory_budget_mb``).
+        memory_budget_mb: Per-rank budget of ``'auto'``.
+        assignment_strategy: Cost model for placing the refreshes.
+        colocate_factors: Whether the A and G refreshes of a block share a rank.
+        symmetry_aware: Send symmetric factors as triangles.
+        allreduce_bucket_cap_mb: Fusion bucket capacity.
+        collective_timeout: Seconds a kaisa collective may wait (``None``: the group's).
+        loglevel: Logging level of the informational messages.
+
+    Raises:
+        ValueError: For invalid arguments (naming them).
+    """
+
+    #: ``scaler.step(opt)`` calls :meth:`step` with ``grad_scale`` and ``found_inf`` set.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        param_groups: Iterable[dict[str, Any]] | None = None,
+        factor_update_steps: Schedule[int] = 1,
+        basis_update_steps: Schedule[int] = 10,
+        factor_decay: Schedule[float] = 0.95,
+        basis_refresh: BasisRefresh | str = BasisRefresh.EIGH,
+        eigh_every: int = 10,
+        kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        layer_kinds: str | tuple[str, ...] = KRONECKER_KINDS,
+        skip_layers: str | list[str] | None = None,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype | None = None,
+        accumulation_steps: int = 1,
+        update_factors_in_hook: bool = True,
+        grad_scaler: Any = None,
+        grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT,
+        memory_budget_mb: float | None = None,
+        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool = True,
+        symmetry_aware: bool = False,
+        allreduce_bucket_cap_mb: float = 25.0,
+        collective_timeout: float | None = None,
+        loglevel: int = logging.DEBUG,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"model must be a torch.nn.Module (EKFAC(model, lr=...), not "
+                f"EKFAC(model.parameters(), ...)), got {type(model).__name__}"
+            )
+        arguments = dict(locals())
+        params = [p for p in model.parameters() if p.requires_grad]
+        core = {k: arguments[k] for k in KFACConfig.keywords()
+                if k in arguments and k not in ("lr", "inv_dtype", "layer_kinds")}
+        self.config = config = EKFACConfig.of(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            basis_update_steps=basis_update_steps, basis_refresh=basis_refresh,
+            eigh_every=eigh_every, inv_dtype=inv_dtype, layer_kinds=layer_kinds,
+            weight_dtype=params[0].dtype if params else torch.float32, **core,
+        )
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(_groups(params, param_groups), defaults)
+        for i, group in enumerate(self.param_groups):
+            check_adam_group(group, f" of param group {i}")
+        self._schedules = Schedules({"factor_update_steps": factor_update_steps,
+                                     "basis_update_steps": basis_update_steps,
+                                     "factor_decay": factor_decay})
+        self._method = EigenAdamMethod()
+        self.curvature = KFACCurvature(model, config.kfac, stacklevel=2,
+                                       settings=config.settings(), method=self._method)
+        self._kron = [b for b in self.curvature.blocks.values() if not b.diagonal]
+        self._covered = {id(p) for b in self._kron for p in b.parameters()}
+        #: Steps taken (:meth:`step` calls, overflowed ones included).
+        self.steps = 0
+        #: Basis refreshes so far (counts ``eigh_every``).
+        self.refreshes = 0
+        self._arm()
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One step, after the gradients of the step's backward passes.
+
+        Args:
+            closure: Optional; re-evaluates the model and returns the loss (called with
+                gradients enabled), as for ``torch.optim`` optimizers.
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Whatever raises in the step, the statistics the step recorded are dropped.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            overflow = self._unscale()
+            steps, schedules = self.steps, self._schedules
+            if steps % schedules.integer("factor_update_steps", steps) == 0:
+                self.curvature.update_factors(schedules.real("factor_decay", steps),
+                                              zero_start=True)
+            if steps % schedules.integer("basis_update_steps", steps) == 0:
+                warm = self.config.warm_start and self.refreshes % self.config.eigh_every != 0
+                self.curvature.update_decompositions(0.0, warm_start=warm)
+                self.refreshes += 1
+            if not overflow:
+                self._update()
+        except BaseException:
+            self.curvature.discard()
+            raise
+        self.steps += 1
+        self.curvature.end_step()
+        self._arm()
+        return loss
+
+    def _unscale(self) -> bool:
+        """Under ``scaler.step(opt)``: unscales the gradients; whether they overflowed.
+
+        The scaler sets ``grad_scale`` (``None`` once ``scaler.unscale_(opt)`` ran) and
+        ``found_inf``; the gradients are multiplied by its float32 ``1 / scale`` as
+        ``scaler.unscale_`` does.
+        """
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return False
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            inverse = scale.double().reciprocal().float()
+            grouped: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        grouped.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for (device, _), grads in grouped.items():
+                found = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found,
+                                                                 inverse.to(device))
+        return self.curvature.any_rank(bool(found_inf.item()))
+
+    def _update(self) -> None:
+        """The EKFAC step of every block with a gradient, AdamW's of the rest."""
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        steps: dict[str, AdamStep] = {}
+        counted: set[int] = set()
+        for block in self._kron:
+            if block.weight.grad is None:
+                continue
+            group = group_of[id(block.weight)]
+            for p in block.parameters()[1:]:
+                other = group_of[id(p)]
+                if any(other[k] != group[k] for k in ("lr", "betas", "eps")):
+                    raise ValueError(
+                        f"the parameters of block {block.name!r} are in param groups with "
+                        "different lr, betas or eps: EKFAC keeps one Adam state per block")
+            for p in block.parameters():  # once per step, also when blocks share p's rows
+                if p.grad is not None and id(p) not in counted:
+                    counted.add(id(p))
+                    self.state[p].setdefault("step", step_count())
+                    self.state[p]["step"] += 1
+            beta1, beta2 = group["betas"]
+            steps[block.name] = AdamStep(float(group["lr"]), float(beta1), float(beta2),
+                                         float(group["eps"]),
+                                         float(self.state[block.weight]["step"].item()))
+        method, dtype = self._method, self.config.kfac.inv_dtype
+        results = self.curvature.transform(
+            lambda block, grad: method.adam_step(block.decomposition, grad, steps[block.name],
+                                                 dtype=dtype, diagonal=block.diagonal_sides))
+        for entry in results:
+            block = entry.block
+            for p, part, rows in zip(block.parameters(), block.split(entry.direction),
+                                     block.row_slices(), strict=True):
+                if p.grad is None:
+                    continue
+                target = p if rows is None else p[rows]  # the block's rows of a shared p
+                group = group_of[id(p)]
+                if group["weight_decay"] != 0:
+                    target.mul_(1 - group["lr"] * group["weight_decay"])
+                target.add_(part)
+        for group in self.param_groups:
+            adamw_update([p for p in group["params"] if id(p) not in self._covered], self.state,
+                         lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+
+    def _arm(self) -> None:  # whether the coming forward passes record statistics
+        s = self.steps
+        self.curvature.recording = s % self._schedules.integer("factor_update_steps", s) == 0
+
+    # ------------------------------------------------------------------ views
+    def coverage(self) -> dict[str, str]:
+        """``{parameter name: block kind or 'first-order'}`` for every trainable parameter."""
+        return self.curvature.coverage()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, *, gather: bool = False) -> dict[str, Any]:  # type: ignore[override]
+        """The optimizer state of torch, and the curvature's under ``'kaisa'``.
+
+        torch's part holds AdamW's state per parameter (the step counts only, for a
+        block's); ``'kaisa'`` the step and refresh counters, the schedules' numbers and per
+        block the factors, bases and moments.
+
+        Args:
+            gather: Also the bases and moments this rank does not hold (MEM-OPT,
+                HYBRID-OPT): a collective, call it on every rank (``docs/conventions.md``,
+                "Checkpoints").
+        """
+        state = super().state_dict()
+        state["kaisa"] = {"steps": self.steps, "refreshes": self.refreshes,
+                          **self._schedules.state_dict(),
+                          "layers": self.curvature.state_dict(gather=gather)}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` output (bit-exact resume).
+
+        Raises:
+            ValueError: If the state is malformed or belongs to another model; the
+                ``'kaisa'`` part is checked before anything is loaded.
+        """
+        extra = state_dict.get("kaisa") if isinstance(state_dict, dict) else None
+        if not isinstance(extra, dict):
+            raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.EKFAC state dict")
+        counters = {name: extra.get(name) for name in ("steps", "refreshes")}
+        self.curvature.check_same_on_ranks(
+            {**counters, **{n: extra.get(n) for n in self._schedules.names()}},
+            what="loaded EKFAC state")
+        steps, refreshes = (check_count(name, value) for name, value in counters.items())
+        self._schedules.check_state_dict(extra)
+        layers = extra.get("layers")
+        self.curvature.check_state_dict(layers)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
+        self.steps, self.refreshes = steps, refreshes
+        self._schedules.load_state_dict(extra)
+        assert layers is not None
+        self.curvature.load_state_dict(layers, damping=0.0)
+        self._arm()
+
+
+def _groups(
+    params: Sequence[torch.Tensor], given: Iterable[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """The param groups: ``given`` (checked to partition ``params``), or one of all."""
+    if given is None:
+        return [{"params": list(params)}]
+    groups = [dict(g) for g in given]
+    if not all(isinstance(g.get("params"), Iterable) for g in groups) or not groups:
+        raise ValueError("param_groups must be a non-empty list of dicts with 'params'")
+    for g in groups:
+        g["params"] = list(g["params"])
+    listed = [id(p) for g in groups for p in g["params"]]
+    if sorted(listed) != sorted(id(p) for p in params):
+        raise ValueError("param_groups must hold every trainable parameter of the model "
+                         "exactly once")
+    return groups

@@ -1,0 +1,164 @@
+"""The validated configuration of :class:`kaisa.EKFAC`: AdamW's arguments and the core's.
+
+:class:`EKFACConfig` holds the Adam hyperparameters (the defaults of the param groups,
+checked like ``torch.optim.AdamW``'s), the basis refresh, and a nested
+:class:`~kaisa.config.KFACConfig` for the curvature core, whose EKFAC-specific values are
+decided here, in one place:
+
+* ``inv_update_steps`` is ``basis_update_steps``; ``compute_method`` is ``'eigen'``
+  (EKFAC's :class:`~kaisa.methods.EigenAdamMethod`), without the eigenvalue outer product;
+  ``damping``, ``kl_clip`` and ``lr`` of the core are unused (no damping: Adam's ``eps``
+  plays its part);
+* ``inv_dtype``: the dtype of the bases and the moments, by default the parameters'
+  working dtype (float64 stays float64, else float32);
+* ``layer_kinds``: the Kronecker kinds (Linear, Conv2d, Conv1d, Embedding, attention by default;
+  ``'all'`` means all of them); a diagonal kind (``'scale_shift'``) registers nothing, its
+  eigenbasis being the identity: its parameters take AdamW's step.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kaisa.config import KFACConfig
+from kaisa.dtypes import working_dtype
+from kaisa.enums import ComputeMethod, parse_enum
+from kaisa.hyperparams import check_int
+
+__all__ = ["KRONECKER_KINDS", "BasisRefresh", "EKFACConfig", "check_adam_group"]
+
+#: The kinds :class:`kaisa.EKFAC` registers by default.
+KRONECKER_KINDS = ("linear", "conv2d", "conv1d", "embedding", "attention")
+
+
+class BasisRefresh(enum.Enum):
+    """How a basis refresh computes the new eigenbases (``docs/conventions.md``, "EKFAC").
+
+    ``EIGH``: a full eigendecomposition every refresh. ``QR``: one subspace-iteration step
+    warm-started from the previous basis (SOAP's refresh), with a full one on a block's
+    first refresh, every ``eigh_every``-th refresh and when the warm start fails.
+    """
+
+    EIGH = "eigh"
+    QR = "qr"
+
+
+def check_adam_group(group: dict[str, Any], where: str = "") -> None:
+    """Raises ``ValueError`` unless ``lr``, ``betas``, ``eps``, ``weight_decay`` are AdamW's.
+
+    ``lr``, ``eps`` and ``weight_decay`` finite numbers ``>= 0``; ``betas`` two numbers in
+    ``[0, 1)``.
+    """
+    for name in ("lr", "eps", "weight_decay"):
+        value = group[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value >= 0
+        ):
+            raise ValueError(f"{name}{where} must be a finite number >= 0, got {value!r}")
+    betas = group["betas"]
+    if not isinstance(betas, tuple | list) or len(betas) != 2 or not all(
+        not isinstance(b, bool) and isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas
+    ):
+        raise ValueError(f"betas{where} must be two numbers in [0, 1), got {betas!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EKFACConfig:
+    """Every :class:`kaisa.EKFAC` argument except the model and its param groups, validated.
+
+    Attributes:
+        lr: Default learning rate of the param groups.
+        betas: Default ``(beta1, beta2)``.
+        eps: Default ``eps``.
+        weight_decay: Default decoupled weight decay.
+        basis_refresh: How bases are refreshed.
+        eigh_every: With ``'qr'``, every how many refreshes one is a full ``eigh``.
+        kfac: The curvature core's configuration.
+    """
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    basis_refresh: BasisRefresh
+    eigh_every: int
+    kfac: KFACConfig
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        basis_update_steps: Any,
+        basis_refresh: BasisRefresh | str,
+        eigh_every: int,
+        inv_dtype: torch.dtype | None,
+        layer_kinds: str | tuple[str, ...],
+        weight_dtype: torch.dtype,
+        **core: Any,
+    ) -> EKFACConfig:
+        """Validates the arguments (a ``ValueError`` naming the first bad one).
+
+        Args:
+            lr: See :class:`kaisa.EKFAC`.
+            betas: See :class:`kaisa.EKFAC`.
+            eps: See :class:`kaisa.EKFAC`.
+            weight_decay: See :class:`kaisa.EKFAC`.
+            basis_update_steps: Steps between refreshes (the core's ``inv_update_steps``).
+            basis_refresh: ``'qr'`` or ``'eigh'``.
+            eigh_every: Refreshes per full ``eigh`` under ``'qr'`` (an int ``>= 1``).
+            inv_dtype: Dtype of the bases and moments, ``None`` for ``weight_dtype``'s
+                working dtype.
+            layer_kinds: The kinds to register (diagonal kinds dropped).
+            weight_dtype: The parameters' dtype.
+            **core: The other :class:`~kaisa.config.KFACConfig` keywords.
+        """
+        check_adam_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        check_int("eigh_every", eigh_every)
+        if callable(eigh_every):
+            raise ValueError("eigh_every must be an integer >= 1")
+        kfac = KFACConfig(
+            inv_update_steps=basis_update_steps,
+            compute_method=ComputeMethod.EIGEN,
+            compute_eigenvalue_outer_product=False,
+            kl_clip=None,
+            inv_dtype=working_dtype(weight_dtype) if inv_dtype is None else inv_dtype,
+            layer_kinds=_kronecker_kinds(layer_kinds),
+            **core,
+        )
+        return cls(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
+                   weight_decay=float(weight_decay),
+                   basis_refresh=parse_enum(BasisRefresh, basis_refresh, "basis_refresh"),
+                   eigh_every=eigh_every, kfac=kfac)
+
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must share, beyond the core's."""
+        return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
+                "lr": self.lr, "basis_refresh": self.basis_refresh.value,
+                "eigh_every": self.eigh_every}
+
+    @property
+    def warm_start(self) -> bool:
+        """Whether refreshes may start from the previous basis."""
+        return self.basis_refresh is BasisRefresh.QR
+
+
+def _kronecker_kinds(value: object) -> tuple[str, ...]:
+    """``layer_kinds`` as :class:`~kaisa.config.KFACConfig` parses it, without diagonal kinds."""
+    from kaisa.blocks import BLOCK_KINDS
+
+    parsed = KFACConfig(layer_kinds=value).layer_kinds  # type: ignore[arg-type]
+    diagonal = {kind.kind for kind in BLOCK_KINDS if kind.diagonal}
+    kinds = tuple(k for k in parsed if k not in diagonal)
+    if not kinds:
+        raise ValueError(f"layer_kinds={value!r} has no Kronecker kind; EKFAC needs one of "
+                         f"{KRONECKER_KINDS}")
+    return kinds
