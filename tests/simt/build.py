@@ -142,22 +142,28 @@ def load(sanitize: bool = False, verbose: bool = False) -> Path:
     ldflags: list[str] = []
     if sanitize:
         san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-        cflags += ["-O1", "-g", "-fno-omit-frame-pointer", *san]
+        cflags += ["-O1", "-g1", "-fno-omit-frame-pointer", *san]
         ldflags += san
     else:
         cflags += ["-O2"]
     build_dir.mkdir(parents=True, exist_ok=True)
-    path = cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in sources],
-        extra_include_paths=[str(SIMT / "include"), str(CUDA_SOURCES), str(KERNEL_SOURCES),
-                             str(ROOT / "csrc")],
-        extra_cflags=cflags,
-        extra_ldflags=ldflags,
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    # The compilers must not run with the ASan runtime preloaded into them (slow).
+    preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        path = cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_include_paths=[str(SIMT / "include"), str(CUDA_SOURCES), str(KERNEL_SOURCES),
+                                 str(ROOT / "csrc")],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
     return Path(str(path))
 
 
