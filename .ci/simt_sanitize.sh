@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds the SIMT emulator (tests/simt: csrc/cuda/*.cu compiled as host C++) with
+# AddressSanitizer + UndefinedBehaviorSanitizer and runs the emulated CUDA kernel tests
+# (tests/test_simt.py, tests/test_cuda_ops.py) under it. An out-of-bounds access of a
+# kernel or of the host code (device memory is host memory here), a use after free
+# (e.g. a workspace freed before the queued work that uses it ran), or undefined
+# behaviour aborts the run. The plain (unsanitized) emulator runs in the normal test suite.
+#
+# Usage: .ci/simt_sanitize.sh   (PYTHON, CXX select the interpreter and compiler)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python}"
+CXX="${CXX:-c++}"
+ASAN_RT="$("$CXX" -print-file-name=libasan.so)"
+STDCXX="$("$CXX" -print-file-name=libstdc++.so.6)"
+if [[ ! -f "$ASAN_RT" ]]; then
+  echo "simt_sanitize: $CXX has no AddressSanitizer runtime" >&2
+  exit 2
+fi
+# The ASan runtime must come first; libstdc++ with it, so that ASan finds the real
+# __cxa_throw (python itself does not link libstdc++).
+PRELOAD="$ASAN_RT $STDCXX"
+export KAISA_SIMT_SANITIZE=1 OMP_NUM_THREADS=1
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+t0=$(date +%s)
+LD_PRELOAD="$PRELOAD" "$PYTHON" -m tests.simt.build --sanitize
+t1=$(date +%s)
+echo "simt_sanitize: ASan + UBSan build ready in $((t1 - t0))s"
+# -s: a sanitizer report goes to the terminal, not into pytest's captured output.
+LD_PRELOAD="$PRELOAD" "$PYTHON" -m pytest -q -s -p no:cacheprovider tests/test_simt.py \
+  tests/test_cuda_ops.py
+echo "simt_sanitize: tests passed under ASan + UBSan in $(($(date +%s) - t1))s"

@@ -1,0 +1,1 @@
+"""The SIMT emulator: csrc/cuda/*.cu compiled as host C++ and executed on the CPU."""
