@@ -13,8 +13,9 @@ checks) is compiled the same way. The ops register as ``torch.ops.kaisa_simt.*``
 (CUDA dispatch key), the emulator's controls as ``torch.ops.simt.*``.
 
 ``torch.utils.cpp_extension.load`` builds and caches the library in
-``build/simt`` (``build/simt-asan`` for the AddressSanitizer +
+``build/kaisa_simt`` (``build/kaisa_simt_asan`` for the AddressSanitizer +
 UndefinedBehaviorSanitizer build); only changed sources are recompiled.
+``KAISA_SIMT_CSRC`` builds another copy of ``csrc`` instead (``tests/simt/mutate.py``).
 
 Usage: ``python -m tests.simt.build [--sanitize] [--verbose]`` builds, loads and prints
 the library path.
@@ -30,8 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SIMT = ROOT / "tests" / "simt"
-CUDA_SOURCES = ROOT / "csrc" / "cuda"
 KERNEL_SOURCES = SIMT / "kernels"  # the emulator's own test kernels
+CSRC_ENV = "KAISA_SIMT_CSRC"
+"""Environment variable naming another copy of ``csrc`` to build (the mutation check)."""
 RUNTIME = ["fiber.cpp", "shared.cpp", "stream.cpp", "device.cpp", "cublas.cpp", "cusolver.cpp", "control.cpp"]
 
 _LAUNCH = re.compile(r"<<<(?P<config>.*?)>>>\s*\(", re.DOTALL)
@@ -86,18 +88,25 @@ def _write_if_changed(path: Path, content: str) -> None:
         path.write_text(content)
 
 
-def generate(out_dir: Path) -> list[Path]:
+def csrc() -> Path:
+    """The ``csrc`` tree to build: the project's, or the copy named by ``KAISA_SIMT_CSRC``."""
+    return Path(os.environ.get(CSRC_ENV, str(ROOT / "csrc"))).resolve()
+
+
+def generate(out_dir: Path, source: Path) -> list[Path]:
     """Writes the host-C++ copies of the CUDA sources (and of kaisa.cpp) into ``out_dir``.
 
     Args:
         out_dir: directory for the generated sources (created).
+        source: the ``csrc`` tree.
 
     Returns:
         The generated source files.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     generated: list[Path] = []
-    for cu in sorted(CUDA_SOURCES.glob("*.cu")) + sorted(KERNEL_SOURCES.glob("*.cu")):
+    cuda = sorted((source / "cuda").glob("*.cu"))
+    for cu in cuda + sorted(KERNEL_SOURCES.glob("*.cu")):
         body = rewrite_launches(cu.read_text())
         target = out_dir / f"{cu.parent.name}_{cu.stem}.cpp"
         _write_if_changed(
@@ -106,7 +115,7 @@ def generate(out_dir: Path) -> list[Path]:
         generated.append(target)
     schemas = out_dir / "kaisa_schemas.cpp"
     _write_if_changed(
-        schemas, f'#include <simt/prelude.h>\n#include "{ROOT / "csrc" / "kaisa.cpp"}"\n'
+        schemas, f'#include <simt/prelude.h>\n#include "{source / "kaisa.cpp"}"\n'
     )
     generated.append(schemas)
     return generated
@@ -134,9 +143,11 @@ def load(sanitize: bool = False, verbose: bool = False) -> Path:
         )
     from torch.utils import cpp_extension
 
-    name = "kaisa_simt_asan" if sanitize else "kaisa_simt"
-    build_dir = ROOT / "build" / ("simt-asan" if sanitize else "simt")
-    sources = generate(build_dir / "gen") + [SIMT / "src" / s for s in RUNTIME]
+    source = csrc()
+    name = "kaisa_simt" + ("" if source == ROOT / "csrc" else "_mutant") + (
+        "_asan" if sanitize else "")
+    build_dir = ROOT / "build" / name
+    sources = generate(build_dir / "gen", source) + [SIMT / "src" / s for s in RUNTIME]
     cflags = ["-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter",
               "-Wno-unknown-pragmas"]
     ldflags: list[str] = []
@@ -153,8 +164,8 @@ def load(sanitize: bool = False, verbose: bool = False) -> Path:
         path = cpp_extension.load(
             name=name,
             sources=[str(s) for s in sources],
-            extra_include_paths=[str(SIMT / "include"), str(CUDA_SOURCES), str(KERNEL_SOURCES),
-                                 str(ROOT / "csrc")],
+            extra_include_paths=[str(SIMT / "include"), str(source / "cuda"),
+                                 str(KERNEL_SOURCES), str(source)],
             extra_cflags=cflags,
             extra_ldflags=ldflags,
             build_directory=str(build_dir),
