@@ -217,7 +217,10 @@ def test_read_only_run_directory_is_one_line_and_touches_nothing() -> None:
 def test_ctrl_c_is_one_line_exit_130_and_keeps_checkpoint_and_metrics_consistent(
     tmp_path: Path,
 ) -> None:
-    run = _spawn(tmp_path, "--name", "int", "--epochs", "100000")
+    # Ctrl-C's default action in the child even when this test runs in a background job
+    # (a shell's `cmd &` starts it with SIGINT ignored, which Python then keeps ignoring)
+    run = _spawn(tmp_path, "--name", "int", "--epochs", "100000",
+                 preexec=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL) and None)
     _wait_for_records(tmp_path / "int" / "metrics.jsonl", 4, run)
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=120)
