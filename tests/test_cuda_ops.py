@@ -369,6 +369,61 @@ def test_batched_eigh_reports_info_codes(
         backend.ops().batched_eigh(backend.to_device(a))
 
 
+_XSYEV_LIMIT = 6 * 40 * 40  # n * lda * batch of six 40 x 40 matrices
+
+
+def _xsyev_batches() -> list[int]:
+    log = torch.ops.simt.launch_log()
+    return [int(e.split("batch=")[1].split()[0]) for e in log if e.startswith("XsyevBatched")]
+
+
+@pytest.mark.parametrize("batch,calls", [(6, [6]), (7, [6, 1]), (13, [6, 6, 1])])
+def test_xsyev_batched_chunks_under_the_element_limit(
+    backend: Backend, batch: int, calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuSOLVER allows n * lda * batch <= INT32_MAX per call; scaled down to six n = 40 matrices.
+
+    The emulator's solver rejects a call over the same (lowered) limit, as cuSOLVER does.
+    """
+    monkeypatch.setenv("KAISA_EIGH_IMPL", "xsyev_batched")
+    monkeypatch.setenv("KAISA_XSYEV_MAX_ELEMENTS", str(_XSYEV_LIMIT))
+    a = _spd_batch(batch, 40, torch.float64)
+    previous = torch.ops.simt.set_xsyev_max_elements(_XSYEV_LIMIT) if backend.emulated else 0
+    try:
+        runs = _runs(backend, lambda: backend.ops().batched_eigh(backend.to_device(a)))
+        if backend.emulated:
+            assert _xsyev_batches() == calls
+    finally:
+        if backend.emulated:
+            torch.ops.simt.set_xsyev_max_elements(previous)
+    for vals, vecs in runs:
+        _check_eigh(a, vals, vecs)
+
+
+def test_emulated_xsyev_batched_rejects_a_call_over_its_limit(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The boundary itself: n * lda * batch == limit is accepted, one matrix more is not."""
+    if not backend.emulated:
+        pytest.skip("the emulator's solver limit")
+    monkeypatch.setenv("KAISA_EIGH_IMPL", "xsyev_batched")  # kaisa's own limit stays INT32_MAX
+    previous = torch.ops.simt.set_xsyev_max_elements(_XSYEV_LIMIT)
+    try:
+        backend.ops().batched_eigh(backend.to_device(_spd_batch(6, 40, torch.float64)))
+        with pytest.raises(torch.linalg.LinAlgError, match="CUSOLVER_STATUS_INVALID_VALUE"):
+            backend.ops().batched_eigh(backend.to_device(_spd_batch(7, 40, torch.float64)))
+    finally:
+        torch.ops.simt.set_xsyev_max_elements(previous)
+
+
+def test_xsyev_max_elements_must_be_positive(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KAISA_XSYEV_MAX_ELEMENTS", "0")
+    with pytest.raises(RuntimeError, match="KAISA_XSYEV_MAX_ELEMENTS"):
+        backend.ops().batched_eigh(backend.to_device(_spd_batch(2, 40, torch.float32)))
+
+
 def test_batched_eigh_rejects_bad_env(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KAISA_EIGH_IMPL", "magma")
     with pytest.raises(RuntimeError, match="KAISA_EIGH_IMPL"):

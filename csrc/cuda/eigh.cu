@@ -5,13 +5,16 @@
 //   n <= 32                       cusolverDn{S,D}syevjBatched (Jacobi, one launch)
 //   n > 32, B == 1                cusolverDn{S,D}syevd on the current stream
 //   n > 32, B > 1, cuSOLVER with
-//     XsyevBatched (>= 11.7.1)    cusolverDnXsyevBatched (one call for the batch)
+//     XsyevBatched (>= 11.7.1)    cusolverDnXsyevBatched (one call per chunk of the
+//                                 batch under its n * lda * batch <= INT32_MAX limit)
 //   otherwise                     cusolverDn{S,D}syevd per matrix, round-robin over
 //                                 up to 4 pool streams joined back with events
 // The environment variable KAISA_EIGH_IMPL=auto|syevj|xsyev_batched|syevd forces
 // a routine (syevj only applies to n <= 32, xsyev_batched only where compiled
 // in; otherwise it falls back to the automatic choice) so tests and benchmarks
-// can exercise every path.
+// can exercise every path. KAISA_XSYEV_MAX_ELEMENTS=N lowers the XsyevBatched
+// element limit below INT32_MAX (never raises it), so tests reach the chunking at
+// small sizes.
 //
 // cuSOLVER handles are the extension's own (solver_handle below): torch's
 // at::cuda::getCurrentCUDASolverDnHandle lives in the lazily loaded
@@ -78,13 +81,30 @@ EighImpl requested_impl() {
               "or syevd, got '", env, "'");
 }
 
+// cuSOLVER documents n * lda * batchSize <= INT32_MAX for one XsyevBatched
+// call (a group of more than 127 factors at n = 4096 exceeds it): the batch is
+// decomposed in chunks of at most this many matrices (0: not even one fits).
+int64_t xsyev_chunk(int64_t n) {
+  int64_t limit = std::numeric_limits<int32_t>::max();
+  const char* env = std::getenv("KAISA_XSYEV_MAX_ELEMENTS");
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && v >= 1, "kaisa::batched_eigh: KAISA_XSYEV_MAX_ELEMENTS must be ",
+                "a positive integer, got '", env, "'");
+    limit = std::min<int64_t>(limit, v);
+  }
+  return limit / (n * n);  // lda = n
+}
+
 EighImpl choose_impl(int64_t batch, int64_t n) {
   const EighImpl req = requested_impl();
+  const bool xsyev = KAISA_HAS_XSYEV_BATCHED && xsyev_chunk(n) >= 1;
   if (req == EighImpl::kSyevj && n <= kSyevjMaxN) return req;
   if (req == EighImpl::kSyevd) return req;
-  if (req == EighImpl::kXsyevBatched && KAISA_HAS_XSYEV_BATCHED) return req;
+  if (req == EighImpl::kXsyevBatched && xsyev) return req;
   if (n <= kSyevjMaxN) return EighImpl::kSyevj;
-  if (batch > 1 && KAISA_HAS_XSYEV_BATCHED) return EighImpl::kXsyevBatched;
+  if (batch > 1 && xsyev) return EighImpl::kXsyevBatched;
   return EighImpl::kSyevd;
 }
 
@@ -225,23 +245,40 @@ void run_syevj_batched(T* a, T* w, int* info, int n, int batch, const at::Tensor
 }
 
 #if KAISA_HAS_XSYEV_BATCHED
+// One XsyevBatched call per chunk of at most xsyev_chunk(n) matrices, in order
+// on the current stream, sharing one device workspace (sized for the largest
+// call); each call gets its own host workspace in `host_ws`, which must
+// outlive the synchronisation.
 template <typename T>
 void run_xsyev_batched(T* a, T* w, int* info, int64_t n, int64_t batch, const at::Tensor& like,
-                       std::vector<char>& host_ws) {
+                       std::vector<std::vector<char>>& host_ws) {
   cusolverDnHandle_t handle = current_handle();
   DnParams params;
+  constexpr cudaDataType t = Cusolver<T>::kType;
+  const int64_t chunk = std::min(batch, xsyev_chunk(n));
+  TORCH_INTERNAL_ASSERT(chunk >= 1);
+  const int64_t last = batch - (batch - 1) / chunk * chunk;  // size of the last call
   size_t dev_bytes = 0;
   size_t host_bytes = 0;
-  constexpr cudaDataType t = Cusolver<T>::kType;
-  TORCH_CUSOLVER_CHECK(cusolverDnXsyevBatched_bufferSize(handle, params.p, kJobz, kUplo, n, t, a,
-                                                         n, t, w, t, &dev_bytes, &host_bytes,
-                                                         batch));
+  for (const int64_t calls : {chunk, last}) {
+    size_t dev = 0;
+    size_t host = 0;
+    TORCH_CUSOLVER_CHECK(cusolverDnXsyevBatched_bufferSize(handle, params.p, kJobz, kUplo, n, t,
+                                                           a, n, t, w, t, &dev, &host, calls));
+    dev_bytes = std::max(dev_bytes, dev);
+    host_bytes = std::max(host_bytes, host);
+  }
   at::Tensor dev_ws = at::empty({static_cast<int64_t>(std::max<size_t>(dev_bytes, 1))},
                                 like.options().dtype(at::kByte));
-  host_ws.assign(std::max<size_t>(host_bytes, 1), 0);
-  TORCH_CUSOLVER_CHECK(cusolverDnXsyevBatched(handle, params.p, kJobz, kUplo, n, t, a, n, t, w,
-                                              t, dev_ws.mutable_data_ptr(), dev_bytes,
-                                              host_ws.data(), host_bytes, info, batch));
+  host_ws.reserve(static_cast<size_t>((batch + chunk - 1) / chunk));
+  for (int64_t b0 = 0; b0 < batch; b0 += chunk) {
+    const int64_t calls = std::min(chunk, batch - b0);
+    host_ws.emplace_back(std::max<size_t>(host_bytes, 1), 0);
+    TORCH_CUSOLVER_CHECK(cusolverDnXsyevBatched(
+        handle, params.p, kJobz, kUplo, n, t, a + b0 * n * n, n, t, w + b0 * n, t,
+        dev_ws.mutable_data_ptr(), dev_bytes, host_ws.back().data(), host_bytes, info + b0,
+        calls));
+  }
 }
 #endif
 
@@ -315,7 +352,7 @@ void eigh_impl(at::Tensor& vecs_cm, at::Tensor& vals, EighImpl impl) {
   T* a = vecs_cm.mutable_data_ptr<T>();
   T* w = vals.mutable_data_ptr<T>();
   int* inf = info.mutable_data_ptr<int>();
-  std::vector<char> host_ws;  // must outlive the synchronisation below
+  std::vector<std::vector<char>> host_ws;  // must outlive the synchronisation below
 
   switch (impl) {
     case EighImpl::kSyevj:

@@ -99,8 +99,9 @@ MUTATIONS = [
              "syevjBatched workspace allocated at half the queried size"),
     Mutation("host-workspace", "use after free", "cuda/eigh.cu",
              "run_xsyev_batched<T>(a, w, inf, n, batch, vecs_cm, host_ws);",
-             "{ std::vector<char> ws; run_xsyev_batched<T>(a, w, inf, n, batch, vecs_cm, ws); }",
-             "XsyevBatched's host workspace freed before the queued call runs"),
+             "{ std::vector<std::vector<char>> ws; "
+             "run_xsyev_batched<T>(a, w, inf, n, batch, vecs_cm, ws); }",
+             "XsyevBatched's host workspaces freed before the queued calls run"),
 ]
 
 

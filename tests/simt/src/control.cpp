@@ -39,6 +39,8 @@ std::vector<std::string> launches() { return launch_log(); }
 
 int64_t pending_tasks() { return pending(current_device()); }
 
+int64_t xsyev_limit(int64_t limit) { return set_xsyev_max_elements(limit); }
+
 void inject(const std::string& routine, int64_t matrix, int64_t code) {
   inject_solver_info(routine, matrix, code);
 }
@@ -56,4 +58,5 @@ TORCH_LIBRARY(simt, m) {
   m.def("clear_launch_log() -> ()", &simt::clear_launch_log);
   m.def("pending() -> int", &simt::pending_tasks);
   m.def("inject_solver_info(str routine, int matrix, int code) -> ()", &simt::inject);
+  m.def("set_xsyev_max_elements(int limit) -> int", &simt::xsyev_limit);
 }

@@ -26,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/Exceptions.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,6 +56,8 @@ struct Injection {
   int64_t matrix;
   int64_t code;
 };
+
+std::atomic<int64_t> g_xsyev_max_elements{std::numeric_limits<int32_t>::max()};
 
 std::mutex g_inject_mutex;
 std::map<std::string, std::vector<Injection>> g_injections;
@@ -161,6 +164,8 @@ cusolverStatus_t syevd(cusolverDnHandle_t h, cusolverEigMode_t jobz, cublasFillM
   if (n < 0 || lda < std::max(1, n) || !valid_jobz(jobz) || !valid_uplo(uplo)) {
     return CUSOLVER_STATUS_INVALID_VALUE;
   }
+  log_call("syevd n=" + std::to_string(n) + " lda=" + std::to_string(lda) +
+           " stream=" + std::to_string(stream_id(h->stream)));
   const std::map<int64_t, int> inject = take_injections("syevd", /*per_call=*/true);
   const int injected = inject.empty() ? 0 : inject.begin()->second;
   enqueue(h->stream, [=]() {
@@ -213,6 +218,8 @@ cusolverStatus_t syevj_batched(cusolverDnHandle_t h, cusolverEigMode_t jobz,
     return CUSOLVER_STATUS_INVALID_VALUE;
   }
   const simt_syevj_info_st p = *params;  // read at the call
+  log_call("syevjBatched n=" + std::to_string(n) + " lda=" + std::to_string(lda) +
+           " batch=" + std::to_string(batch) + " stream=" + std::to_string(stream_id(h->stream)));
   const std::map<int64_t, int> inject = take_injections("syevjBatched", /*per_call=*/false);
   enqueue(h->stream, [=]() {
     if (lwork < syevj_lwork(n, batch)) {
@@ -250,7 +257,7 @@ int xsyev_invalid(cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n, cuda
   if (batch < 0) return 16;
   // "The problem size is limited by n * lda * batchSize <= INT32_MAX."
   if (n > 0 && batch > 0 &&
-      static_cast<long double>(n) * lda * batch > std::numeric_limits<int32_t>::max()) {
+      static_cast<long double>(n) * lda * batch > g_xsyev_max_elements.load()) {
     return 16;
   }
   return 0;
@@ -268,6 +275,12 @@ void xsyev_run(T* A, int64_t lda, T* W, int64_t n, cublasFillMode_t uplo, bool v
 }
 
 }  // namespace
+
+int64_t set_xsyev_max_elements(int64_t limit) {
+  TORCH_CHECK(limit >= 1 && limit <= std::numeric_limits<int32_t>::max(),
+              "simt.set_xsyev_max_elements: expected 1..INT32_MAX, got ", limit);
+  return g_xsyev_max_elements.exchange(limit);
+}
 
 void inject_solver_info(const std::string& routine, int64_t matrix, int64_t code) {
   TORCH_CHECK(routine == "syevd" || routine == "syevjBatched" || routine == "XsyevBatched",
@@ -441,6 +454,9 @@ cusolverStatus_t cusolverDnXsyevBatched(cusolverDnHandle_t h, cusolverDnParams_t
                                         size_t device_bytes, void* host_ws, size_t host_bytes,
                                         int* info, int64_t batch) {
   if (h == nullptr) return CUSOLVER_STATUS_NOT_INITIALIZED;
+  simt::log_call("XsyevBatched n=" + std::to_string(n) + " lda=" + std::to_string(lda) +
+                 " batch=" + std::to_string(batch) +
+                 " stream=" + std::to_string(simt::stream_id(h->stream)));
   const int bad = params == nullptr ? 1 : simt::xsyev_invalid(jobz, uplo, n, ta, lda, tw, tc, batch);
   if (bad != 0) {
     if (info != nullptr && batch > 0) simt::enqueue(h->stream, [info, bad]() { info[0] = -bad; });

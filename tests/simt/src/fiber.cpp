@@ -354,9 +354,7 @@ void log_launch(const LaunchConfig& cfg) {
   ss << cfg.name << " grid=(" << cfg.grid.x << "," << cfg.grid.y << "," << cfg.grid.z
      << ") block=(" << cfg.block.x << "," << cfg.block.y << "," << cfg.block.z
      << ") stream=" << stream_id(cfg.stream);
-  const std::lock_guard<std::mutex> lock(g_log_mutex);
-  g_log.push_back(ss.str());
-  if (g_log.size() > kLogMax) g_log.pop_front();
+  log_call(ss.str());
 }
 
 cudaError_t check_config(const LaunchConfig& cfg) {
@@ -391,6 +389,12 @@ void set_schedule(int s) {
 std::vector<std::string> launch_log() {
   const std::lock_guard<std::mutex> lock(g_log_mutex);
   return {g_log.begin(), g_log.end()};
+}
+
+void log_call(const std::string& entry) {
+  const std::lock_guard<std::mutex> lock(g_log_mutex);
+  g_log.push_back(entry);
+  if (g_log.size() > kLogMax) g_log.pop_front();
 }
 
 void clear_launch_log() {

@@ -27,10 +27,13 @@ const std::vector<SharedArray>& shared_arrays(const void* kernel);
 int schedule();
 void set_schedule(int schedule);
 std::vector<std::string> launch_log();
+void log_call(const std::string& entry);  // a library call, in the launch log
 void clear_launch_log();
 
 // cusolver.cpp: the next call of `routine` ("syevd", "syevjBatched",
 // "XsyevBatched") reports `code` in the info of matrix `matrix`.
 void inject_solver_info(const std::string& routine, int64_t matrix, int64_t code);
+// XsyevBatched's limit on n * lda * batchSize (cuSOLVER: INT32_MAX); returns the old one.
+int64_t set_xsyev_max_elements(int64_t limit);
 
 }  // namespace simt
