@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Callable
 from typing import NoReturn
 
 from kaisa.models import MODELS, TEXT_MODELS
+from kaisa.train.argtypes import finite, int_from, kl_clip
 from kaisa.train.data import DATASETS
-from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_kl_clip, parse_worker_fraction
+from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_worker_fraction
 from kaisa.train.text import add_arguments as add_lm_arguments
 
 EPILOG = """\
@@ -24,45 +23,6 @@ examples:
 Options shown as 'tuned' default to values tuned per task and optimiser on
 digits (see docs/training.md); generic values are used for other datasets.
 """
-
-
-def _int_from(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer ``>= low`` (the error says so in one line)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _finite(*, low: float | None = None, positive: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite float, optionally ``>= low`` or ``> 0``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if positive and value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        if low is not None and value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _kl_clip(text: str) -> str:
-    parse_kl_clip(text)
-    return text.lower()
 
 
 def _add_kfac(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +60,7 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--kfac-kl-clip",
-        type=_kl_clip,
+        type=kl_clip,
         default=None,
         metavar="X|none",
         help="KL-clip the preconditioned step; 'none' disables it (default: tuned, 0.001)",
@@ -293,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--image-size",
-        type=_int_from(1),
+        type=int_from(1),
         default=32,
         metavar="N",
         help="synthetic images are N x N (default: %(default)s)",
@@ -307,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--synthetic-size",
-        type=_int_from(1),
+        type=int_from(1),
         default=1024,
         metavar="N",
         help="synthetic training examples (test: N/4; default: %(default)s)",
@@ -340,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--time-budget",
-        type=_finite(positive=True),
+        type=finite(positive=True),
         default=None,
         metavar="SECONDS",
         help="stop each configuration after this much training time",
@@ -354,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--threads",
-        type=_int_from(0),
+        type=int_from(0),
         default=None,
         metavar="N",
         help="torch CPU threads; 0 = torch's choice (default: 1 for digits, where tiny models "
@@ -369,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimiser; kfac is kaisa.KFAC: K-FAC with adaptive lr, momentum and damping; "
         "ekfac is kaisa.EKFAC: Adam in the K-FAC eigenbasis (default: %(default)s)",
     )
-    add("--lr", type=_finite(low=0.0), default=None, help="base learning rate (default: tuned)")
+    add("--lr", type=finite(low=0.0), default=None, help="base learning rate (default: tuned)")
     add("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
     add(
         "--nesterov",
@@ -379,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--weight-decay",
-        type=_finite(low=0.0),
+        type=finite(low=0.0),
         default=0.0,
         help="weight decay (default: %(default)s)",
     )
@@ -391,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--warmup-epochs",
-        type=_finite(low=0.0),
+        type=finite(low=0.0),
         default=0.0,
         metavar="E",
         help="linear warmup length in epochs (default: %(default)s)",
@@ -406,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     _add_kfac(parser)
-    add_lm_arguments(parser, _int_from(1))
+    add_lm_arguments(parser, int_from(1))
     group = parser.add_argument_group("comparison and output")
     add = group.add_argument
     add(
@@ -418,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--target",
-        type=_finite(),
+        type=finite(),
         default=None,
         help="target: test accuracy (classify, default 0.97), full-train MSE "
         "(autoencode, default 0.02) or validation loss (lm, default 2.5)",
@@ -439,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--pg-timeout",
-        type=_finite(positive=True),
+        type=finite(positive=True),
         default=None,
         metavar="SECONDS",
         help="torch.distributed process-group timeout under torchrun (default: torch's, "
@@ -453,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--log-every",
-        type=_int_from(1),
+        type=int_from(1),
         default=1,
         metavar="N",
         help="print a summary line every N epochs (default: %(default)s)",
