@@ -259,7 +259,7 @@ class KFACCurvature:
         with self.timed("preconditioning"):
             matrices, local = {}, {}
             for name, block in self._blocks.items():
-                own = None if grads is None else [grads.get(p) for p in block.parameters()]
+                own = self._engine.full_gradients(block.parameters(), grads)
                 matrix = block.gradient_matrix(own)
                 if matrix is None:
                     continue
@@ -291,7 +291,7 @@ class KFACCurvature:
         with self.timed("preconditioning"):
             matrices = {}
             for name, block in self._blocks.items():
-                own = None if grads is None else [grads.get(p) for p in block.parameters()]
+                own = self._engine.full_gradients(block.parameters(), grads)
                 if not block.diagonal and (matrix := block.gradient_matrix(own)) is not None:
                     matrices[name] = matrix
             return self._engine.transform(matrices, rule)

@@ -36,6 +36,7 @@ from kaisa.callsites import CallSite
 from kaisa.dtypes import working_dtype
 from kaisa.enums import KFACApprox, Side
 from kaisa.finite import all_finite
+from kaisa.shards import copy_rows
 
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
@@ -324,12 +325,16 @@ class CurvatureBlock:
         return self.rows if self.rows is not None else (None,) * len(self.parameters())
 
     def write_grad(self, matrix: torch.Tensor) -> None:
-        """Copies a ``(groups, out/groups, n)`` matrix into the parameters' ``.grad``."""
+        """Copies a ``(groups, out/groups, n)`` matrix into the parameters' ``.grad``.
+
+        A gradient sharded by FSDP2 takes the rows this rank holds
+        (:func:`kaisa.shards.copy_rows`).
+        """
         assert self.weight.grad is not None
         for p, part, rows in zip(self.parameters(), self.split(matrix), self.row_slices(),
                                  strict=True):
             if p.grad is not None:
-                (p.grad if rows is None else p.grad[rows]).copy_(part)
+                copy_rows(p.grad, part, rows)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

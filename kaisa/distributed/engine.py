@@ -26,7 +26,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from fractions import Fraction
 from typing import Any, TypeAlias
@@ -51,6 +51,7 @@ from kaisa.distributed.torch_comm import make_communicator
 from kaisa.enums import Side
 from kaisa.finite import all_finite
 from kaisa.methods import Payload, SecondOrderMethod
+from kaisa.shards import full_tensor, is_sharded
 
 __all__ = ["BlockRule", "DistributedEngine"]
 
@@ -308,6 +309,32 @@ class DistributedEngine:
                 )
 
     # ------------------------------------------------------------------ gradients
+    def full_gradients(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor | None] | None:
+        """The gradients of one block's parameters, whole.
+
+        A parameter sharded by FSDP2 (a ``DTensor``) has its gradient gathered from its
+        shards (:func:`kaisa.shards.full_tensor`, a collective on its mesh: every rank
+        calls it for the same blocks in the same order).
+
+        Args:
+            params: The block's parameters.
+            grads: ``parameter -> gradient``; by default the parameters' ``.grad``.
+
+        Returns:
+            One gradient per parameter (``None`` where there is none), or ``None`` for
+            "the parameters' ``.grad``" when nothing is sharded.
+        """
+        own = None if grads is None else [grads.get(p) for p in params]
+        if not any(is_sharded(p) for p in params):
+            return own
+        with self._waiting():
+            return [None if g is None else full_tensor(g)
+                    for g in (own if own is not None else [p.grad for p in params])]
+
     def precondition(
         self, gradients: Mapping[str, torch.Tensor], damping: float
     ) -> list[Preconditioned]:

@@ -1,0 +1,154 @@
+"""K-FAC on a model sharded by FSDP2 (``fully_shard``): gloo ranks equal one process.
+
+Every rank shards the same float64 model with ``fully_shard`` on each layer and on the
+root (parameters and gradients are ``DTensor`` objects sharded on dim 0; layer sizes are
+chosen so shards are uneven) and trains it on its share of the global batch; FSDP2
+averages the gradients over ranks (reduce-scatter). The parent trains the same model,
+unsharded, in one process on the global batch. With mean-reduced losses each rank's output
+gradients are ``W`` times the single-process ones, so the reference multiplies its loss by
+``W`` for backward and divides the gradients by ``W`` before ``step()`` (as in
+``tests/test_distributed.py``). The K-FAC side: the hooks see the unsharded weights and the
+local batch's activations and output gradients; factors are averaged over all ranks; each
+block's full gradient is gathered, preconditioned by its gradient workers (the placement of
+``grad_worker_fraction``) and each rank keeps its rows.
+
+Tolerance as in ``tests/test_distributed.py`` (``rtol=1e-8``): the runs differ only in the
+order of float64 sums, while every mistake this test is for (a shard written to the wrong
+rows, a missing average, a rank's own factors) is of the order of the step itself
+(asserted: every parameter moves by more than ``1e-4``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import kaisa
+from tests.support.dist import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+BATCH_PER_RANK = 4
+RTOL, ATOL = 1e-8, 1e-10
+
+
+class Net(nn.Module):
+    """Conv + two Linear layers with output sizes that shard unevenly (3, 7, 5 rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.fc1 = nn.Linear(3 * 4 * 4, 7)
+        self.fc2 = nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x)).flatten(1)
+        return self.fc2(torch.tanh(self.fc1(h)))
+
+
+def _data(world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    n = world * BATCH_PER_RANK
+    return (torch.randn(n, 2, 4, 4, generator=gen, dtype=torch.float64),
+            torch.randint(0, 5, (n,), generator=gen))
+
+
+def _kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        grad_worker_fraction=cfg["strategy"], compute_method=cfg["method"],
+        inv_dtype=torch.float64, factor_decay=0.9, damping=0.01, kl_clip=0.05, lr=0.1,
+        inv_update_steps=2,
+    )
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    whole: torch.Tensor = t.full_tensor() if isinstance(t, DTensor) else t
+    return whole.detach().clone()
+
+
+def _train(cfg: dict[str, Any], world: int, rank: int | None,
+           mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """STEPS of SGD after KFACPreconditioner; ``rank=None`` is the unsharded reference."""
+    torch.manual_seed(0)
+    model = Net().double()
+    if rank is not None:
+        mesh = None
+        if mesh_shape is not None:
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        for layer in (model.conv, model.fc1, model.fc2):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    pre = kaisa.KFACPreconditioner(model, **_kwargs(cfg))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    scale = float(world) if rank is None else 1.0
+    steps = [[_full(p) for p in model.parameters()]]
+    for step in range(STEPS):
+        x, y = _data(world, step)
+        if rank is not None:
+            x, y = (t[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK] for t in (x, y))
+        opt.zero_grad(set_to_none=True)
+        loss: torch.Tensor = F.cross_entropy(model(x), y) * scale
+        loss.backward()
+        if rank is None:
+            for p in model.parameters():
+                assert p.grad is not None
+                p.grad.div_(world)
+        else:
+            assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+        pre.step()
+        opt.step()
+        steps.append([_full(p) for p in model.parameters()])
+    return {
+        "steps": steps,
+        "fraction": pre.grad_worker_fraction,
+        "factors": sorted(n for n, b in pre.layers.items() if b.a is not None and b.g is not None),
+        "held": pre.placement.held_by(pre.rank),
+    }
+
+
+def _ranks(rank: int, world: int, cfgs: list[dict[str, Any]],
+           mesh_shape: tuple[int, ...] | None) -> list[dict[str, Any]]:
+    return [_train(cfg, world, rank, mesh_shape) for cfg in cfgs]
+
+
+def _check(cfgs: list[dict[str, Any]], world: int,
+           mesh_shape: tuple[int, ...] | None = None) -> list[list[dict[str, Any]]]:
+    results = run_distributed(_ranks, world, cfgs, mesh_shape, timeout=240.0)
+    for i, cfg in enumerate(cfgs):
+        ref = _train(cfg, world, None)
+        assert ref["factors"] == ["conv", "fc1", "fc2"]
+        moved = [float((b - a).abs().max()) for a, b in zip(ref["steps"][0], ref["steps"][-1],
+                                                              strict=True)]
+        assert min(moved) > 1e-4, moved
+        for rank_results in results:
+            got = rank_results[i]
+            assert got["factors"] == ref["factors"], cfg
+            for step, (want, have) in enumerate(zip(ref["steps"], got["steps"], strict=True)):
+                for w, h in zip(want, have, strict=True):
+                    torch.testing.assert_close(h, w, rtol=RTOL, atol=ATOL,
+                                               msg=f"{cfg} step {step}")
+        for other in results[1:]:  # bit-identical parameters on every rank
+            for a, b in zip(results[0][i]["steps"][-1], other[i]["steps"][-1], strict=True):
+                assert torch.equal(a, b), cfg
+    return results
+
+
+CONFIGS_2 = [{"strategy": s, "method": m} for s in ("comm_opt", "mem_opt")
+             for m in ("eigen", "inverse")]
+
+
+def test_fsdp2_two_ranks_equal_one_process() -> None:
+    results = _check(CONFIGS_2, 2)
+    fractions = [r["fraction"] for r in results[0]]
+    assert fractions == [1.0, 1.0, 0.5, 0.5]
+    # MEM-OPT: each block's decompositions on exactly one rank.
+    held = [set(r[2]["held"]) for r in results]
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {"conv", "fc1", "fc2"}
