@@ -152,3 +152,19 @@ def test_fsdp2_two_ranks_equal_one_process() -> None:
     # MEM-OPT: each block's decompositions on exactly one rank.
     held = [set(r[2]["held"]) for r in results]
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {"conv", "fc1", "fc2"}
+
+
+CONFIGS_4 = [{"strategy": "hybrid_opt", "method": "eigen"},
+             {"strategy": "mem_opt", "method": "inverse"}]
+
+
+@pytest.mark.slow
+def test_fsdp2_four_ranks_equal_one_process() -> None:
+    results = _check(CONFIGS_4, 4)
+    assert [r["fraction"] for r in results[0]] == [0.5, 0.25]
+
+
+def test_hsdp_2x2_equals_one_process() -> None:
+    """A 2-D mesh (replicate x shard, 2 x 2): parameters sharded over 2 ranks, replicated twice."""
+    results = _check([{"strategy": "hybrid_opt", "method": "eigen"}], 4, (2, 2))
+    assert results[0][0]["fraction"] == 0.5
