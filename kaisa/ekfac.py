@@ -37,6 +37,7 @@ from kaisa.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
 from kaisa.first_order import AdamStep, adamw_update, step_count
 from kaisa.hyperparams import Schedule, Schedules, check_count
 from kaisa.methods import EigenAdamMethod
+from kaisa.shards import refuse_sharded
 
 __all__ = ["EKFAC", "BasisRefresh"]
 
@@ -144,6 +145,7 @@ class EKFAC(torch.optim.Optimizer):
                                      "basis_update_steps": basis_update_steps,
                                      "factor_decay": factor_decay})
         self._method = EigenAdamMethod()
+        refuse_sharded(model, "kaisa.EKFAC")
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2,
                                        settings=config.settings(), method=self._method)
         self._kron = [b for b in self.curvature.blocks.values() if not b.diagonal]

@@ -1,26 +1,44 @@
-"""Parameters sharded by FSDP2 (``fully_shard``): their full gradients and their local rows.
+"""Parameters sharded by FSDP2 (``fully_shard``): full gradients and the rows a rank holds.
 
 Under ``torch.distributed.fsdp.fully_shard`` a parameter and its gradient are
-``DTensor`` objects sharded on dim 0 over the shard dimension of their mesh (replicated over the
-replicate dimension of an HSDP mesh); each rank holds the rows
+``DTensor`` objects sharded on dim 0 over the shard dimension of their mesh (replicated
+over the replicate dimension of an HSDP mesh); each rank holds the rows
 :func:`local_rows` names. kaisa preconditions a block's full gradient
-(:func:`full_tensor`, an all-gather on the parameter's mesh, started by the engine) and
-writes back only the rows this rank holds (:func:`copy_rows`). Plain tensors pass
-through both unchanged, so the same code serves unsharded models.
+(:func:`full_tensor`, an all-gather on the parameter's mesh, started by the engine), keeps
+of the result only the rows this rank holds, as one flat vector (:func:`take_held`), and
+writes them into the local shards (:func:`write_held`). A leaf module: the blocks use it.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["copy_rows", "full_tensor", "is_sharded", "local_rows"]
+__all__ = ["full_tensor", "is_sharded", "local_rows", "refuse_sharded", "take_held", "write_held"]
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
     """Whether ``t`` is a ``DTensor`` (a parameter or gradient under FSDP2)."""
     return isinstance(t, DTensor)
+
+
+def refuse_sharded(model: torch.nn.Module, product: str) -> None:
+    """Raises ``ValueError`` if FSDP2 shards ``model`` (for products that do not support it).
+
+    Args:
+        model: The model.
+        product: The product's name, for the message.
+    """
+    if any(is_sharded(p) for p in model.parameters()):
+        raise ValueError(
+            f"{product} does not support models sharded by FSDP2 (fully_shard) yet: its "
+            "update is applied to the parameters directly; use kaisa.KFACPreconditioner "
+            "with a torch.optim optimizer"
+        )
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -29,7 +47,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     Every rank of the ``DTensor``'s mesh must call it, in the same order.
     """
     if isinstance(t, DTensor):
-        return t.full_tensor()
+        whole: torch.Tensor = t.full_tensor()
+        return whole
     return t
 
 
@@ -42,36 +61,64 @@ def local_rows(t: DTensor) -> range:
     for placement in t.placements:
         if isinstance(placement, Shard) and placement.dim != 0:
             raise ValueError(
-                f"kaisa supports DTensor parameters sharded on dim 0 (FSDP2's fully_shard), "
+                "kaisa supports DTensor parameters sharded on dim 0 (FSDP2's fully_shard), "
                 f"got placements {t.placements}"
             )
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if not shape:  # a 0-d tensor is replicated
-        return range(1)
     return range(offset[0], offset[0] + shape[0])
 
 
-def copy_rows(target: torch.Tensor, value: torch.Tensor, rows: slice | None = None) -> None:
-    """Writes ``value``, rows ``rows`` of the global tensor (all: ``None``), into ``target``.
+def _held(param: torch.Tensor, rows: slice | None) -> tuple[slice, slice]:
+    """``(rows of the block's part, rows of the local shard)`` this rank holds of ``param``."""
+    assert isinstance(param, DTensor)
+    held = local_rows(param)
+    start, stop, step = (0, param.shape[0], 1) if rows is None else rows.indices(
+        param.shape[0])
+    if step != 1:
+        raise ValueError(f"row slices of a sharded parameter must be contiguous, got {rows}")
+    lo, hi = max(start, held.start), min(stop, held.stop)
+    hi = max(lo, hi)
+    return slice(lo - start, hi - start), slice(lo - held.start, hi - held.start)
 
-    A plain ``target`` takes ``value`` into those rows. A ``DTensor`` ``target`` takes, in
-    its local shard, the rows it holds of those rows (none when they do not meet).
+
+def take_held(
+    params: Sequence[torch.Tensor], parts: Sequence[torch.Tensor],
+    rows: Sequence[slice | None],
+) -> torch.Tensor:
+    """The rows this rank holds of a block's per-parameter parts, flattened and joined.
 
     Args:
-        target: A gradient (plain or ``DTensor``).
-        value: The new values of rows ``rows``, of their shape.
-        rows: A slice of dim 0 with step 1, or ``None``.
+        params: The block's parameters (``DTensor`` objects).
+        parts: One part per parameter, the shape of the rows ``rows`` of it (the block's
+            :meth:`~kaisa.blocks.CurvatureBlock.split`).
+        rows: The rows of each parameter the block covers (``None``: all).
+
+    Returns:
+        A 1-d tensor, the input of :func:`write_held`.
     """
-    if not isinstance(target, DTensor):
-        (target if rows is None else target[rows]).copy_(value)
-        return
-    held = local_rows(target)
-    start, stop, step = (0, target.shape[0], 1) if rows is None else rows.indices(
-        target.shape[0])
-    if step != 1:
-        raise ValueError(f"row slices of a sharded gradient must be contiguous, got {rows}")
-    lo, hi = max(start, held.start), min(stop, held.stop)
-    if lo >= hi:
-        return
-    local = target.to_local()
-    local[lo - held.start : hi - held.start].copy_(value[lo - start : hi - start])
+    pieces = [part[_held(p, r)[0]].reshape(-1) for p, part, r in zip(params, parts, rows,
+                                                                      strict=True)]
+    return torch.cat(pieces)
+
+
+def write_held(
+    grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], held: torch.Tensor,
+    rows: Sequence[slice | None],
+) -> None:
+    """Writes :func:`take_held` output into the local shards of ``grads``.
+
+    Args:
+        grads: The parameters' gradients (``DTensor`` objects; ``None`` is skipped).
+        params: The parameters.
+        held: The held rows, as :func:`take_held` joined them.
+        rows: As for :func:`take_held`.
+    """
+    offset = 0
+    for grad, p, r in zip(grads, params, rows, strict=True):
+        _, local = _held(p, r)
+        count = (local.stop - local.start) * math.prod(p.shape[1:])
+        if grad is not None:
+            assert isinstance(grad, DTensor)
+            target = grad.to_local()[local]
+            target.copy_(held[offset : offset + count].view_as(target))
+        offset += count

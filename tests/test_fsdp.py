@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import kaisa
+from kaisa.shards import local_rows
 from tests.support.dist import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -106,8 +107,13 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
         pre.step()
         opt.step()
         steps.append([_full(p) for p in model.parameters()])
+    held_ok = None
+    if rank is not None:  # the core's entries keep only this rank's rows (gradients still set)
+        held_ok = [e.direction.numel() == sum(p.grad.to_local().numel() for p in e.block.parameters())
+                   and e.inner is not None for e in pre.curvature.precondition(0.01)]
     return {
         "steps": steps,
+        "held_rows": held_ok,
         "fraction": pre.grad_worker_fraction,
         "factors": sorted(n for n, b in pre.layers.items() if b.a is not None and b.g is not None),
         "held": pre.placement.held_by(pre.rank),
@@ -115,12 +121,32 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
 
 
 def _ranks(rank: int, world: int, cfgs: list[dict[str, Any]],
-           mesh_shape: tuple[int, ...] | None) -> list[dict[str, Any]]:
-    return [_train(cfg, world, rank, mesh_shape) for cfg in cfgs]
+           mesh_shape: tuple[int, ...] | None) -> list[Any]:
+    """Every configuration's run, then (on a 1-D mesh) the errors of the unsupported cases."""
+    runs: list[Any] = [_train(cfg, world, rank, mesh_shape) for cfg in cfgs]
+    return runs if mesh_shape is not None else [*runs, _refusals(rank, world)]
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    """The errors of the unsupported cases, on a rank of a sharded model."""
+    model = Net().double()
+    fully_shard(model)
+    errors = []
+    with pytest.raises(ValueError, match="FSDP2") as err:
+        kaisa.KFAC(model, loss="cross_entropy")
+    errors.append(str(err.value))
+    with pytest.raises(ValueError, match="FSDP2") as err:
+        kaisa.EKFAC(model)
+    errors.append(str(err.value))
+    mesh = init_device_mesh("cpu", (world,))
+    with pytest.raises(ValueError, match="dim 0") as err:
+        local_rows(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)]))
+    errors.append(str(err.value))
+    return errors
 
 
 def _check(cfgs: list[dict[str, Any]], world: int,
-           mesh_shape: tuple[int, ...] | None = None) -> list[list[dict[str, Any]]]:
+           mesh_shape: tuple[int, ...] | None = None) -> list[list[Any]]:
     results = run_distributed(_ranks, world, cfgs, mesh_shape, timeout=240.0)
     for i, cfg in enumerate(cfgs):
         ref = _train(cfg, world, None)
@@ -135,6 +161,7 @@ def _check(cfgs: list[dict[str, Any]], world: int,
                 for w, h in zip(want, have, strict=True):
                     torch.testing.assert_close(h, w, rtol=RTOL, atol=ATOL,
                                                msg=f"{cfg} step {step}")
+            assert all(got["held_rows"]), cfg
         for other in results[1:]:  # bit-identical parameters on every rank
             for a, b in zip(results[0][i]["steps"][-1], other[i]["steps"][-1], strict=True):
                 assert torch.equal(a, b), cfg
@@ -146,12 +173,16 @@ CONFIGS_2 = [{"strategy": s, "method": m} for s in ("comm_opt", "mem_opt")
 
 
 def test_fsdp2_two_ranks_equal_one_process() -> None:
+    """Every strategy on 2 ranks, both methods; and the unsupported cases' errors."""
     results = _check(CONFIGS_2, 2)
-    fractions = [r["fraction"] for r in results[0]]
+    fractions = [r["fraction"] for r in results[0][:-1]]
     assert fractions == [1.0, 1.0, 0.5, 0.5]
     # MEM-OPT: each block's decompositions on exactly one rank.
     held = [set(r[2]["held"]) for r in results]
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {"conv", "fc1", "fc2"}
+    # Unsupported: kaisa.KFAC and kaisa.EKFAC refuse a sharded model, a dim-1 shard is refused.
+    for errors in (r[-1] for r in results):
+        assert "use kaisa.KFACPreconditioner" in errors[0] and "kaisa.EKFAC" in errors[1]
 
 
 CONFIGS_4 = [{"strategy": "hybrid_opt", "method": "eigen"},
@@ -161,7 +192,7 @@ CONFIGS_4 = [{"strategy": "hybrid_opt", "method": "eigen"},
 @pytest.mark.slow
 def test_fsdp2_four_ranks_equal_one_process() -> None:
     results = _check(CONFIGS_4, 4)
-    assert [r["fraction"] for r in results[0]] == [0.5, 0.25]
+    assert [r["fraction"] for r in results[0][:-1]] == [0.5, 0.25]
 
 
 def test_hsdp_2x2_equals_one_process() -> None:
