@@ -6,7 +6,8 @@ over the replicate dimension of an HSDP mesh); each rank holds the rows
 :func:`local_rows` names. kaisa preconditions a block's full gradient
 (:func:`full_tensor`, an all-gather on the parameter's mesh, started by the engine), keeps
 of the result only the rows this rank holds, as one flat vector (:func:`take_held`), and
-writes them into the local shards (:func:`write_held`). A leaf module: the blocks use it.
+writes them into the local shards (:func:`held_parts`, :func:`rows_of`). A leaf module:
+the blocks use it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["full_tensor", "is_sharded", "local_rows", "refuse_sharded", "take_held", "write_held"]
+__all__ = [
+    "full_tensor", "held_parts", "is_sharded", "local_rows", "refuse_sharded", "rows_of",
+    "take_held",
+]
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
@@ -94,31 +98,40 @@ def take_held(
         rows: The rows of each parameter the block covers (``None``: all).
 
     Returns:
-        A 1-d tensor, the input of :func:`write_held`.
+        A 1-d tensor, the input of :func:`held_parts`.
     """
     pieces = [part[_held(p, r)[0]].reshape(-1) for p, part, r in zip(params, parts, rows,
                                                                       strict=True)]
     return torch.cat(pieces)
 
 
-def write_held(
-    grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], held: torch.Tensor,
-    rows: Sequence[slice | None],
-) -> None:
-    """Writes :func:`take_held` output into the local shards of ``grads``.
+def held_parts(
+    held: torch.Tensor, params: Sequence[torch.Tensor], rows: Sequence[slice | None]
+) -> list[torch.Tensor]:
+    """:func:`take_held` output split back: per parameter, its held rows (views).
 
     Args:
-        grads: The parameters' gradients (``DTensor`` objects; ``None`` is skipped).
-        params: The parameters.
         held: The held rows, as :func:`take_held` joined them.
+        params: The block's parameters (``DTensor`` objects).
         rows: As for :func:`take_held`.
     """
-    offset = 0
-    for grad, p, r in zip(grads, params, rows, strict=True):
-        _, local = _held(p, r)
-        count = (local.stop - local.start) * math.prod(p.shape[1:])
-        if grad is not None:
-            assert isinstance(grad, DTensor)
-            target = grad.to_local()[local]
-            target.copy_(held[offset : offset + count].view_as(target))
+    out, offset = [], 0
+    for p, r in zip(params, rows, strict=True):
+        local = _held(p, r)[1]
+        shape = (local.stop - local.start, *p.shape[1:])
+        count = math.prod(shape)
+        out.append(held[offset : offset + count].view(shape))
         offset += count
+    return out
+
+
+def rows_of(t: torch.Tensor, param: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    """The rows ``rows`` of ``t`` (``param`` or its gradient) this rank writes (a view).
+
+    A plain tensor's rows ``rows`` (all: ``None``); of a ``DTensor``, the part of its local
+    shard that holds them (:func:`held_parts` gives the values of that shape).
+    """
+    if not isinstance(t, DTensor):
+        return t if rows is None else t[rows]
+    view: torch.Tensor = t.to_local()[_held(param, rows)[1]]
+    return view

@@ -37,7 +37,7 @@ from kaisa.callsites import CallSite
 from kaisa.dtypes import working_dtype
 from kaisa.enums import KFACApprox, Side
 from kaisa.finite import all_finite
-from kaisa.shards import is_sharded, take_held, write_held
+from kaisa.shards import held_parts, is_sharded, rows_of, take_held
 
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
@@ -333,13 +333,20 @@ class CurvatureBlock:
         rows this rank holds, flat (:meth:`held_rows`), as the core's entries carry them.
         """
         assert self.weight.grad is not None
-        params = self.parameters()
-        if self.sharded():
-            write_held([p.grad for p in params], params, matrix, self.row_slices())
-            return
-        for p, part, rows in zip(params, self.split(matrix), self.row_slices(), strict=True):
+        for p, part, rows in zip(self.parameters(), self.parts(matrix), self.row_slices(),
+                                 strict=True):
             if p.grad is not None:
-                (p.grad if rows is None else p.grad[rows]).copy_(part)
+                rows_of(p.grad, p, rows).copy_(part)
+
+    def parts(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+        """One tensor per parameter, what :func:`kaisa.shards.rows_of` this rank writes.
+
+        :meth:`split` of a full matrix; for a sharded block, of the held rows
+        (:meth:`held_rows`): the rows of each parameter this rank's shard holds.
+        """
+        if self.sharded():
+            return held_parts(matrix, self.parameters(), self.row_slices())
+        return self.split(matrix)
 
     def sharded(self) -> bool:
         """Whether FSDP2 shards the block's parameters (``DTensor`` objects)."""
