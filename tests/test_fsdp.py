@@ -26,6 +26,7 @@ rows, a missing average, a rank's own factors) is of the order of the step itsel
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import kaisa
 from kaisa.shards import local_rows
 from tests.support.dist import run_distributed
+from tests.test_distributed_transformer import _batch, _gpt
 
 pytestmark = pytest.mark.distributed
 
@@ -84,13 +86,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _train(cfg: dict[str, Any], world: int, rank: int | None,
            mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
     """STEPS of SGD after KFACPreconditioner; ``rank=None`` is the unsharded reference."""
+    gpt = cfg.get("model") == "gpt"
     torch.manual_seed(0)
-    model = Net().double()
+    model: nn.Module = _gpt() if gpt else Net().double()
     if rank is not None:
         mesh = None
         if mesh_shape is not None:
             mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-        for layer in (model.conv, model.fc1, model.fc2):
+        for layer in (model.blocks if gpt else (model.conv, model.fc1, model.fc2)):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     pre: Any = None
@@ -101,17 +104,23 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
                           basis_refresh="qr", grad_worker_fraction=cfg["strategy"])
         curvature = opt.curvature
     else:
-        pre = kaisa.KFACPreconditioner(model, **_kwargs(cfg))
+        pre = kaisa.KFACPreconditioner(model, **_kwargs(cfg),
+                                       layer_kinds="all" if gpt else ("linear", "conv2d"))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
         curvature = pre.curvature
     scale = float(world) if rank is None else 1.0
     steps = [[_full(p) for p in model.parameters()]]
     for step in range(STEPS):
-        x, y = _data(world, step, per_rank)
-        if rank is not None:
-            x, y = (t[rank * per_rank : (rank + 1) * per_rank] for t in (x, y))
+        if gpt:
+            x, y = _batch(world, step, rank)
+        else:
+            x, y = _data(world, step, per_rank)
+            if rank is not None:
+                x, y = (t[rank * per_rank : (rank + 1) * per_rank] for t in (x, y))
         opt.zero_grad(set_to_none=True)
-        loss: torch.Tensor = F.cross_entropy(model(x), y) * scale
+        logits = model(x)
+        loss: torch.Tensor = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             y.reshape(-1)) * scale
         loss.backward()
         if rank is None:
             for p in model.parameters():
@@ -125,17 +134,29 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
         steps.append([_full(p) for p in model.parameters()])
     held_ok = None
     if rank is not None:  # the core's entries keep only this rank's rows (gradients still set)
-        held_ok = [e.direction.numel() == sum(p.grad.to_local().numel() for p in e.block.parameters())
-                   and e.inner is not None for e in curvature.precondition(0.01)]
+        held_ok = [e.direction.numel() == _held_count(e.block) and e.inner is not None
+                   for e in curvature.precondition(0.01)]
     engine = curvature.engine
     return {
         "steps": steps,
         "held_rows": held_ok,
         "fraction": float(engine.grid.fraction),
         "factors": sorted(n for n, b in curvature.blocks.items()
-                          if b.a is not None and b.g is not None),
+                          if b.g is not None and (b.diagonal or b.a is not None)),
+        "blocks": sorted(curvature.blocks),
         "held": engine.placement.held_by(engine.rank),
     }
+
+
+def _held_count(block: Any) -> int:
+    """Elements of the block's rows this rank's shards hold."""
+    count = 0
+    for p, rows in zip(block.parameters(), block.row_slices(), strict=True):
+        covered = range(p.shape[0])[rows or slice(None)]
+        held = local_rows(p)
+        overlap = min(covered.stop, held.stop) - max(covered.start, held.start)
+        count += max(0, overlap) * math.prod(p.shape[1:])
+    return count
 
 
 def _ranks(rank: int, world: int, cfgs: list[dict[str, Any]],
@@ -165,7 +186,7 @@ def _check(cfgs: list[dict[str, Any]], world: int,
     results = run_distributed(_ranks, world, cfgs, mesh_shape, timeout=240.0)
     for i, cfg in enumerate(cfgs):
         ref = _train(cfg, world, None)
-        assert ref["factors"] == ["conv", "fc1", "fc2"]
+        assert ref["factors"] == ref["blocks"] and len(ref["blocks"]) >= 3
         moved = [float((b - a).abs().max()) for a, b in zip(ref["steps"][0], ref["steps"][-1],
                                                               strict=True)]
         assert min(moved) > 1e-4, moved
@@ -185,14 +206,16 @@ def _check(cfgs: list[dict[str, Any]], world: int,
 
 CONFIGS_2 = [*({"strategy": s, "method": m} for s in ("comm_opt", "mem_opt")
                for m in ("eigen", "inverse")),
-             {"strategy": "mem_opt", "product": "ekfac", "batch": 40}]
+             {"strategy": "mem_opt", "product": "ekfac", "batch": 40},
+             {"strategy": "mem_opt", "method": "eigen", "model": "gpt"}]
 
 
 def test_fsdp2_two_ranks_equal_one_process() -> None:
-    """Every strategy on 2 ranks, both methods, EKFAC; and the unsupported cases' errors."""
+    """Every strategy on 2 ranks, both methods, EKFAC, the byte GPT with every block kind
+    (attention's row blocks, the tied embedding, LayerNorms); the unsupported cases' errors."""
     results = _check(CONFIGS_2, 2)
     fractions = [r["fraction"] for r in results[0][:-1]]
-    assert fractions == [1.0, 1.0, 0.5, 0.5, 0.5]
+    assert fractions == [1.0, 1.0, 0.5, 0.5, 0.5, 0.5]
     # MEM-OPT: each block's decompositions on exactly one rank.
     held = [set(r[2]["held"]) for r in results]
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {"conv", "fc1", "fc2"}
