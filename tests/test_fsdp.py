@@ -74,7 +74,7 @@ def _kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(
         grad_worker_fraction=cfg["strategy"], compute_method=cfg["method"],
         inv_dtype=torch.float64, factor_decay=0.9, damping=0.01, kl_clip=0.05, lr=0.1,
-        inv_update_steps=2,
+        inv_update_steps=2, update_factors_in_hook=cfg.get("in_hook", True),
     )
 
 
@@ -204,8 +204,10 @@ def _check(cfgs: list[dict[str, Any]], world: int,
     return results
 
 
-CONFIGS_2 = [*({"strategy": s, "method": m} for s in ("comm_opt", "mem_opt")
-               for m in ("eigen", "inverse")),
+CONFIGS_2 = [{"strategy": "comm_opt", "method": "eigen"},
+             {"strategy": "comm_opt", "method": "inverse", "in_hook": False},
+             {"strategy": "mem_opt", "method": "eigen"},
+             {"strategy": "mem_opt", "method": "inverse"},
              {"strategy": "mem_opt", "product": "ekfac", "batch": 40},
              {"strategy": "mem_opt", "method": "eigen", "model": "gpt"}]
 
