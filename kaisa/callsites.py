@@ -274,13 +274,20 @@ class FunctionalTap(Generic[K]):
         mismatch: Callable[[K, CallSite], None],
     ) -> None:
         self._module = module
-        self._params: dict[int, torch.Tensor] = {}
-        self._sites: dict[int, list[tuple[K, CallSite]]] = {}
+        # Watched weights by the name under which the module holds them: FSDP2 swaps a
+        # sharded parameter for its unsharded one around the forward, so the tensors the
+        # calls multiply by are looked up at the start of each call (:meth:`_watch`).
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        self._named: dict[str, list[tuple[K, CallSite]]] = {}
         for key, site in sites:
             if site.weight is None or site.module is not module:
                 raise ValueError("a functional tap takes the functional sites of its module")
-            self._params[id(site.weight)] = site.weight
-            self._sites.setdefault(id(site.weight), []).append((key, site))
+            if id(site.weight) not in names:
+                raise ValueError("a functional site's weight must be a parameter of its module")
+            self._named.setdefault(names[id(site.weight)], []).append((key, site))
+        self._params: dict[int, torch.Tensor] = {}
+        self._sites: dict[int, list[tuple[K, CallSite]]] = {}
+        self._watch()
         self._active = active
         self._observe = observe
         self._mismatch = mismatch
@@ -294,7 +301,19 @@ class FunctionalTap(Generic[K]):
             self._module.register_forward_hook(self._exit, always_call=True),
         ]
 
+    def _watch(self) -> None:
+        """Maps the tensors the module holds now under the watched names to their sites."""
+        self._params.clear()
+        self._sites.clear()
+        for name, sites in self._named.items():
+            owner, _, attr = name.rpartition(".")
+            weight = getattr(self._module.get_submodule(owner), attr)  # maybe not a Parameter
+            self._params[id(weight)] = weight
+            self._sites[id(weight)] = sites
+
     def _enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._modes:
+            self._watch()
         mode = _Mode(self) if self._active(module) else None
         if mode is not None:
             mode.__enter__()  # type: ignore[no-untyped-call]

@@ -36,10 +36,10 @@ def guarded_directions(
     checks: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     for entry in pairs:
         g, p, valid = entry.grad, entry.direction, entry.valid
-        ok = all_finite(p)
+        ok = all_finite(p) if entry.finite is None else entry.finite
         t = None
         if kl_clip is not None:
-            t = (p * g).sum(dtype=torch.float64)
+            t = (p * g).sum(dtype=torch.float64) if entry.inner is None else entry.inner
             ok = ok & torch.isfinite(t)
         checks.append((t, ok if valid is None else ok & valid))
     nu: torch.Tensor | None = None

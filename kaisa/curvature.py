@@ -28,7 +28,6 @@ and :class:`~kaisa.KFAC` (quadratic model, AMP) are products around it.
 from __future__ import annotations
 
 import logging
-import re
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -45,7 +44,9 @@ from kaisa.coverage import FIRST_ORDER, coverage_line, parameter_coverage
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.distributed.agreement import check_same_on_ranks
 from kaisa.distributed.engine import BlockRule
+from kaisa.distributed.fsdp import held, rounds
 from kaisa.distributed.gather import gather_decompositions
+from kaisa.distributed.memory import large_factor_message
 from kaisa.hooks import StatisticsRecorder
 from kaisa.methods import SecondOrderMethod, make_method
 
@@ -123,7 +124,7 @@ class KFACCurvature:
         )
         for f in self.factor_sizes():
             if f.dim > LARGE_FACTOR_DIM and not f.diagonal:
-                warnings.warn(_large_factor_message(f), RuntimeWarning, stacklevel=stacklevel + 1)
+                warnings.warn(large_factor_message(f), RuntimeWarning, stacklevel=stacklevel + 1)
         logger.log(
             config.loglevel,
             "kaisa: registered %d layers: %s",
@@ -257,19 +258,23 @@ class KFACCurvature:
             One entry per block with a gradient and a result, in model order.
         """
         with self.timed("preconditioning"):
-            matrices, local = {}, {}
-            for name, block in self._blocks.items():
-                own = None if grads is None else [grads.get(p) for p in block.parameters()]
-                matrix = block.gradient_matrix(own)
-                if matrix is None:
-                    continue
-                if not block.diagonal:
-                    matrices[name] = matrix
-                elif (direction := block.precondition_diagonal(matrix, damping)) is not None:
-                    local[name] = Preconditioned(block, matrix, direction)
-            kron = {e.block.name: e for e in self._engine.precondition(matrices, damping)}
-            return [kron.get(name) or local[name] for name in self._blocks
-                    if name in kron or name in local]
+            out = []
+            for names in rounds(self._blocks):  # all at once, or one block at a time (FSDP2)
+                matrices, local = {}, {}
+                for name in names:
+                    block = self._blocks[name]
+                    own = self._engine.full_gradients(block.parameters(), grads)
+                    matrix = block.gradient_matrix(own)
+                    if matrix is None:
+                        continue
+                    if not block.diagonal:
+                        matrices[name] = matrix
+                    elif (direction := block.precondition_diagonal(matrix, damping)) is not None:
+                        local[name] = Preconditioned(block, matrix, direction)
+                kron = {e.block.name: e for e in self._engine.precondition(matrices, damping)}
+                out += [held(kron.get(name) or local[name]) for name in names
+                        if name in kron or name in local]
+            return out
 
     def transform(
         self, rule: BlockRule, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
@@ -289,12 +294,16 @@ class KFACCurvature:
             One entry per Kronecker block with a gradient and a result, in model order.
         """
         with self.timed("preconditioning"):
-            matrices = {}
-            for name, block in self._blocks.items():
-                own = None if grads is None else [grads.get(p) for p in block.parameters()]
-                if not block.diagonal and (matrix := block.gradient_matrix(own)) is not None:
-                    matrices[name] = matrix
-            return self._engine.transform(matrices, rule)
+            out = []
+            for names in rounds(self._blocks):
+                matrices = {}
+                for name in names:
+                    block = self._blocks[name]
+                    own = self._engine.full_gradients(block.parameters(), grads)
+                    if not block.diagonal and (matrix := block.gradient_matrix(own)) is not None:
+                        matrices[name] = matrix
+                out += [held(e) for e in self._engine.transform(matrices, rule)]
+            return out
 
     def end_step(self) -> None:
         """Ends a step: the recorder's per-step counters restart."""
@@ -440,14 +449,3 @@ class KFACCurvature:
                 warnings.warn(msg, RuntimeWarning, stacklevel=5)
                 logger.warning(msg)
 
-
-def _large_factor_message(f: FactorSize) -> str:
-    """The warning for a factor above :data:`~kaisa.distributed.LARGE_FACTOR_DIM`."""
-    blocks = f" x {f.blocks} groups" if f.blocks > 1 else ""
-    return (
-        f"kaisa: layer {f.layer!r} has a {f.dim}x{f.dim}{blocks} {f.side.value} factor: about "
-        f"{f.nbytes / 2**20:.0f} MB (running and batch factor, decomposition) and "
-        f"{f.gflop:.0f} GFLOP per decomposition (every inv_update_steps steps), likely most "
-        f"of each step. Leave it out with skip_layers=[{('^' + re.escape(f.layer) + '$')!r}] "
-        "or make the layer smaller"
-    )

@@ -37,6 +37,7 @@ from kaisa.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
 from kaisa.first_order import AdamStep, adamw_update, step_count
 from kaisa.hyperparams import Schedule, Schedules, check_count
 from kaisa.methods import EigenAdamMethod
+from kaisa.shards import rows_of
 
 __all__ = ["EKFAC", "BasisRefresh"]
 
@@ -246,11 +247,11 @@ class EKFAC(torch.optim.Optimizer):
                                                  dtype=dtype, diagonal=block.diagonal_sides))
         for entry in results:
             block = entry.block
-            for p, part, rows in zip(block.parameters(), block.split(entry.direction),
+            for p, part, rows in zip(block.parameters(), block.parts(entry.direction),
                                      block.row_slices(), strict=True):
                 if p.grad is None:
                     continue
-                target = p if rows is None else p[rows]  # the block's rows of a shared p
+                target = rows_of(p, p, rows)  # the block's rows of a shared p (held: FSDP2)
                 group = group_of[id(p)]
                 if group["weight_decay"] != 0:
                     target.mul_(1 - group["lr"] * group["weight_decay"])

@@ -47,6 +47,7 @@ from kaisa.optimizer_config import (
 )
 from kaisa.quadratic import lm_damping
 from kaisa.replay import RandomState, replayed
+from kaisa.shards import refuse_sharded
 
 __all__ = ["KFAC", "Curvature", "lm_damping"]
 
@@ -144,6 +145,7 @@ class KFAC(torch.optim.Optimizer):
         self.scaling = LossScaling(grad_scaler)
         self._reduced_precision = False
         self._schedules = Schedules({name: getattr(config.kfac, name) for name in _SCHEDULES})
+        refuse_sharded(model, "kaisa.KFAC")
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2, settings=config.settings())
         covered = {id(p) for b in self.curvature.blocks.values() for p in b.parameters()}
         rest: list[torch.Tensor] = [p for p in params if id(p) not in covered]

@@ -25,6 +25,7 @@ block by default; :mod:`kaisa.blocks.attention` makes several).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -36,6 +37,7 @@ from kaisa.callsites import CallSite
 from kaisa.dtypes import working_dtype
 from kaisa.enums import KFACApprox, Side
 from kaisa.finite import all_finite
+from kaisa.shards import held_parts, is_sharded, rows_of, take_held
 
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
@@ -158,7 +160,8 @@ class CurvatureBlock:
     @property
     def dims(self) -> tuple[int, int]:
         """``(a_dim, g_dim)`` of one Kronecker block (diagonal kinds: their own layout)."""
-        return self.weight[0].numel() + int(self.has_bias), self._out_rows() // self.groups
+        a_dim = math.prod(self.weight.shape[1:]) + int(self.has_bias)
+        return a_dim, self._out_rows() // self.groups
 
     def _out_rows(self) -> int:
         """Rows of the weight the block covers (output features)."""
@@ -324,12 +327,37 @@ class CurvatureBlock:
         return self.rows if self.rows is not None else (None,) * len(self.parameters())
 
     def write_grad(self, matrix: torch.Tensor) -> None:
-        """Copies a ``(groups, out/groups, n)`` matrix into the parameters' ``.grad``."""
+        """Copies a ``(groups, out/groups, n)`` matrix into the parameters' ``.grad``.
+
+        For a block whose parameters FSDP2 shards (:meth:`sharded`), ``matrix`` is the
+        rows this rank holds, flat (:meth:`held_rows`), as the core's entries carry them.
+        """
         assert self.weight.grad is not None
-        for p, part, rows in zip(self.parameters(), self.split(matrix), self.row_slices(),
+        for p, part, rows in zip(self.parameters(), self.parts(matrix), self.row_slices(),
                                  strict=True):
             if p.grad is not None:
-                (p.grad if rows is None else p.grad[rows]).copy_(part)
+                rows_of(p.grad, p, rows).copy_(part)
+
+    def parts(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+        """One tensor per parameter, what :func:`kaisa.shards.rows_of` this rank writes.
+
+        :meth:`split` of a full matrix; for a sharded block, of the held rows
+        (:meth:`held_rows`): the rows of each parameter this rank's shard holds.
+        """
+        if self.sharded():
+            return held_parts(matrix, self.parameters(), self.row_slices())
+        return self.split(matrix)
+
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards the block's parameters (``DTensor`` objects)."""
+        return is_sharded(self.weight)
+
+    def held_rows(self, matrix: torch.Tensor) -> torch.Tensor:
+        """The rows of a full ``matrix`` this rank's shards hold, flat (sharded blocks).
+
+        The inverse of the sharded :meth:`write_grad` (:func:`kaisa.shards.take_held`).
+        """
+        return take_held(self.parameters(), self.split(matrix), self.row_slices())
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.config import DistributedConfig
+from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
 from kaisa.distributed.memory import (
     FactorSize,
     MemoryEstimate,
@@ -43,20 +44,19 @@ from kaisa.distributed.memory import (
     estimate_memory,
     factor_sizes,
 )
-from kaisa.distributed.packing import pack_symmetric, unpack_symmetric
 from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.protocol import CommHandle, Communicator
 from kaisa.distributed.strategy import WorkerGrid, resolve_grad_workers, valid_fractions
 from kaisa.distributed.torch_comm import make_communicator
 from kaisa.enums import Side
 from kaisa.finite import all_finite
-from kaisa.methods import Damping, Payload, SecondOrderMethod
+from kaisa.methods import Payload, SecondOrderMethod
+from kaisa.shards import full_tensor, is_sharded
 
 __all__ = ["BlockRule", "DistributedEngine"]
 
 logger = logging.getLogger("kaisa")
 
-_Key: TypeAlias = tuple[str, Side]  # (block name, side)
 #: What a block's gradient workers compute from its gradient matrix
 #: (:meth:`DistributedEngine.transform`): a matrix of its shape, or ``None``.
 BlockRule: TypeAlias = Callable[[CurvatureBlock, torch.Tensor], torch.Tensor | None]
@@ -271,7 +271,10 @@ class DistributedEngine:
         layers = [la for la in self._layers.values() if la.a is not None and la.g is not None]
         if not layers:
             return
-        computed = self._decompose_assigned(layers, damping, warm_start)
+        computed = decompose_assigned(
+            layers, damping, placement=self._placement, rank=self._rank, method=self._method,
+            config=self._config, warm_start=warm_start,
+        )
         sym = self._config.symmetry_aware
         pending: list[tuple[CurvatureBlock, Side, int, list[CommHandle]]] = []
         for la in layers:
@@ -279,7 +282,8 @@ class DistributedEngine:
             if self._rank not in lp.grad_workers:
                 continue
             for side, src in ((Side.A, lp.a_rank), (Side.G, lp.g_rank)):
-                tensors = self._payload(la, side, src, computed)
+                tensors = payload(la, side, src=src, rank=self._rank, method=self._method,
+                                  inv_dtype=self._config.inv_dtype, computed=computed)
                 flags = self._method.payload_symmetric(diagonal=la.is_diagonal(side))
                 handles = [
                     self._comm.broadcast(t, src, lp.grad_workers, symmetric=sym and flag)
@@ -287,7 +291,7 @@ class DistributedEngine:
                 ]
                 pending.append((la, side, src, handles))
         self._comm.flush()
-        received: dict[_Key, Payload | None] = {}
+        received: dict[FactorKey, Payload | None] = {}
         with self._waiting():
             for la, side, src, handles in pending:
                 got = [h.wait() for h in handles]
@@ -304,73 +308,33 @@ class DistributedEngine:
                     damping=damping, diagonal=la.diagonal_sides,
                 )
 
-    def _decompose_assigned(
-        self, layers: Sequence[CurvatureBlock], damping: float, warm_start: bool = False
-    ) -> dict[_Key, Payload | None]:
-        """Decomposes the factors the placement assigns to this rank, in one batch."""
-        mine: list[tuple[CurvatureBlock, Side, Damping]] = []
-        for la in layers:
-            lp = self._placement[la.name]
-            if self._rank not in (lp.a_rank, lp.g_rank):
-                continue
-            assert la.a is not None and la.g is not None
-            damping_a, damping_g = self._method.factor_damping(
-                la.a, la.g, damping, diagonal=la.diagonal_sides)
-            if lp.a_rank == self._rank:
-                mine.append((la, Side.A, damping_a))
-            if lp.g_rank == self._rank:
-                mine.append((la, Side.G, damping_g))
-        if not mine:
-            return {}
-        results = self._method.decompose(
-            [la.a if side is Side.A else la.g for la, side, _ in mine],  # type: ignore[misc]
-            damping=[d for _, _, d in mine],
-            inv_dtype=self._config.inv_dtype,
-            names=[f"{la.name}.{side.value}" for la, side, _ in mine],
-            diagonal=[la.is_diagonal(side) for la, side, _ in mine],
-            previous=[self._method.stored(la.decomposition, side, diagonal=la.diagonal_sides)
-                      for la, side, _ in mine] if warm_start else None,
-        )
-        return {
-            (la.name, side): None if res is None else self._as_received(
-                res, diagonal=la.is_diagonal(side))
-            for (la, side, _), res in zip(mine, results, strict=True)
-        }
-
-    def _as_received(self, payload: Payload, *, diagonal: bool) -> Payload:
-        """Exactly what receivers rebuild from ``payload`` (same values, contiguous).
-
-        Every gradient worker then preconditions bit for bit alike (matmul rounding
-        depends on strides).
-        """
-        sym = self._config.symmetry_aware
-        out = []
-        flags = self._method.payload_symmetric(diagonal=diagonal)
-        for t, flag in zip(payload, flags, strict=True):
-            if sym and flag:
-                t = unpack_symmetric(pack_symmetric(t), t.shape[-1])
-            out.append(t.contiguous())
-        return out
-
-    def _payload(
-        self, layer: CurvatureBlock, side: Side, src: int,
-        computed: Mapping[_Key, Payload | None],
-    ) -> Payload:
-        """Tensors broadcast for one factor: the data on ``src``, buffers elsewhere."""
-        factor = layer.a if side is Side.A else layer.g
-        assert factor is not None
-        diagonal = layer.is_diagonal(side)
-        shapes = self._method.payload_shapes(factor.shape[0], factor.shape[-1], diagonal=diagonal)
-        dtype, device = self._config.inv_dtype, factor.device
-        if src != self._rank:
-            return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
-        payload = computed[(layer.name, side)] or self._method.stored(
-            layer.decomposition, side, diagonal=layer.diagonal_sides)
-        if payload is not None:
-            return payload
-        return [torch.full(s, float("nan"), dtype=dtype, device=device) for s in shapes]
-
     # ------------------------------------------------------------------ gradients
+    def full_gradients(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor | None] | None:
+        """The gradients of one block's parameters, whole.
+
+        A parameter sharded by FSDP2 (a ``DTensor``) has its gradient gathered from its
+        shards (:func:`kaisa.shards.full_tensor`, a collective on its mesh: every rank
+        calls it for the same blocks in the same order).
+
+        Args:
+            params: The block's parameters.
+            grads: ``parameter -> gradient``; by default the parameters' ``.grad``.
+
+        Returns:
+            One gradient per parameter (``None`` where there is none), or ``None`` for
+            "the parameters' ``.grad``" when nothing is sharded.
+        """
+        own = None if grads is None else [grads.get(p) for p in params]
+        if not any(is_sharded(p) for p in params):
+            return own
+        with self._waiting():
+            return [None if g is None else full_tensor(g)
+                    for g in (own if own is not None else [p.grad for p in params])]
+
     def precondition(
         self, gradients: Mapping[str, torch.Tensor], damping: float
     ) -> list[Preconditioned]:

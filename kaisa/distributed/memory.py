@@ -18,6 +18,7 @@ and the maximum over ranks is what must fit the budget.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -35,6 +36,7 @@ __all__ = [
     "decomposition_numel",
     "estimate_memory",
     "factor_sizes",
+    "large_factor_message",
 ]
 
 _MB = 1024 * 1024
@@ -278,4 +280,16 @@ def choose_fraction(
     raise ValueError(
         f"no grad_worker_fraction fits memory_budget_mb={memory_budget_mb} on world size "
         f"{world_size}; modelled per-rank K-FAC memory: " + "; ".join(tried)
+    )
+
+
+def large_factor_message(f: FactorSize) -> str:
+    """The warning for a factor above :data:`LARGE_FACTOR_DIM`: its size, cost and a way out."""
+    blocks = f" x {f.blocks} groups" if f.blocks > 1 else ""
+    return (
+        f"kaisa: layer {f.layer!r} has a {f.dim}x{f.dim}{blocks} {f.side.value} factor: about "
+        f"{f.nbytes / 2**20:.0f} MB (running and batch factor, decomposition) and "
+        f"{f.gflop:.0f} GFLOP per decomposition (every inv_update_steps steps), likely most "
+        f"of each step. Leave it out with skip_layers=[{('^' + re.escape(f.layer) + '$')!r}] "
+        "or make the layer smaller"
     )
