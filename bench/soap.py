@@ -10,7 +10,11 @@ every ``precondition_frequency`` steps by one power iteration and a QR decomposi
 (``Q <- qr(L Q)``, columns ordered by the estimated eigenvalues, the second moment
 permuted with them), as in the authors' implementation; the first basis comes from
 ``eigh``. As there, the first step only initialises the statistics (no update).
-Parameters that are not 2-D get plain Adam. Weight decay is decoupled (AdamW).
+Parameters that are not 2-D get plain Adam, unless ``flatten`` (per group) is set: then a
+parameter of more than 2 dims (a convolution's ``(out, in, kh, kw)`` filters) is
+preconditioned as the matrix ``(shape[0], -1)``, as Muon's recipe and K-FAC's convolution
+blocks see it (the authors' code instead keeps one basis per dimension, optionally after
+merging dimensions). Weight decay is decoupled (AdamW).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 
 def _eigenbasis(matrix: torch.Tensor) -> torch.Tensor:
     """Eigenvectors of a symmetric ``matrix``, eigenvalues descending."""
-    _, vectors = torch.linalg.eigh(matrix + 1e-30 * torch.eye(len(matrix), dtype=matrix.dtype))
+    vectors: torch.Tensor = torch.linalg.eigh(
+        matrix + 1e-30 * torch.eye(len(matrix), dtype=matrix.dtype)).eigenvectors
     return vectors.flip(1)
 
 
@@ -40,10 +45,12 @@ class SOAP(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         precondition_frequency: int = 10,
+        flatten: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, shampoo_beta=betas[1] if shampoo_beta is None else shampoo_beta,
             eps=eps, weight_decay=weight_decay, precondition_frequency=precondition_frequency,
+            flatten=flatten,
         )
         super().__init__(params, defaults)
 
@@ -55,7 +62,7 @@ class SOAP(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.ndim == 2:
+                if p.ndim == 2 or (p.ndim > 2 and group["flatten"]):
                     self._soap(p, group, beta1, beta2)
                 else:
                     self._adam(p, group, beta1, beta2)
@@ -77,13 +84,13 @@ class SOAP(torch.optim.Optimizer):
 
     def _soap(self, p: torch.Tensor, group: dict[str, Any], beta1: float, beta2: float) -> None:
         state = self.state[p]
-        grad = p.grad
-        assert grad is not None
+        assert p.grad is not None
+        grad = p.grad.reshape(p.shape[0], -1)
         shampoo_beta = group["shampoo_beta"]
         if not state:  # first step: statistics and basis only, no update
             state["step"] = 0
-            state["m"] = torch.zeros_like(p)
-            state["v"] = torch.zeros_like(p)
+            state["m"] = torch.zeros_like(grad)
+            state["v"] = torch.zeros_like(grad)
             state["L"] = grad @ grad.T * (1 - shampoo_beta)
             state["R"] = grad.T @ grad * (1 - shampoo_beta)
             state["QL"] = _eigenbasis(state["L"])
@@ -99,7 +106,7 @@ class SOAP(torch.optim.Optimizer):
         denom = (state["v"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
         direction = ql @ (m_rotated / denom) @ qr.T
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(direction, alpha=-group["lr"] / (1 - beta1**t))
+        p.add_(direction.view_as(p), alpha=-group["lr"] / (1 - beta1**t))
         state["L"].mul_(shampoo_beta).addmm_(grad, grad.T, alpha=1 - shampoo_beta)
         state["R"].mul_(shampoo_beta).addmm_(grad.T, grad, alpha=1 - shampoo_beta)
         if t % group["precondition_frequency"] == 0:
