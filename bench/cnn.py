@@ -60,7 +60,7 @@ ADAMW_GRID = (1e-3, 3e-3, 1e-2)
 EKFAC_GRID = (3e-3, 1e-2, 3e-2)
 CONFIGS = (
     *(f"adamw@{lr:g}" for lr in ADAMW_GRID), "muon", "soap", "adamw+kfac", "kfac",
-    *(f"ekfac@{lr:g}" for lr in EKFAC_GRID),
+    *(f"ekfac@{lr:g}" for lr in EKFAC_GRID), "ekfac-f5-b95@0.01",
 )
 RECIPE = Recipe(
     muon_params=lambda _name, p: p.ndim == 4,
