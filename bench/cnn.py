@@ -24,7 +24,8 @@ Configurations (``--only`` picks some; the machinery is ``bench/compare.py``'s):
 * ``adamw+kfac``: ``kaisa.KFACPreconditioner`` (damping 0.03, factors every step,
   inverses every 10, convolutions and the classifier) + AdamW 1e-2.
 * ``ekfac@lr`` for lr 3e-3, 1e-2, 3e-2: ``kaisa.EKFAC`` (AdamW's betas and eps, factors every
-  step, eigenbases by ``eigh`` every 10 steps).
+  step, eigenbases by ``eigh`` every 10 steps), and ``ekfac-f5-b95@1e-2`` (the GPT's fast
+  recipe: factors every 5 steps with decay 0.95**5, beta2 0.95; ``bench/compare.py``).
 * ``kfac``: ``kaisa.KFAC(model, loss="cross_entropy")`` with its defaults (adaptive lr
   and momentum: no schedule, no clipping).
 
