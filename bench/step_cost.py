@@ -76,7 +76,7 @@ class Runner:
     period: int  # steps after which the labels repeat
     state_bytes: Callable[[], int] = lambda: 0
     times: dict[str, list[float]] = field(default_factory=dict)
-    phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    phases: dict[str, list[dict[tuple[str, ...], float]]] = field(default_factory=dict)
 
 
 def schedule(**every: int) -> tuple[Callable[[int], str], int]:
@@ -236,22 +236,29 @@ def run_task(runners: list[Runner], warmup: int, rounds: int, per_round: int) ->
                     elapsed = time.perf_counter() - start
                 label = r.label(i)
                 r.times.setdefault(label, []).append(elapsed)
-                r.phases.setdefault(label, []).append(categorise(profile.seconds))
+                r.phases.setdefault(label, []).append(dict(profile.seconds))
 
 
-def amortised(r: Runner) -> tuple[float, dict[str, float], dict[str, float]]:
-    """Amortised median seconds per step, its split by category, the labels' shares."""
+def amortised(r: Runner) -> tuple[float, dict[str, float], dict[str, float], dict[str, float]]:
+    """Amortised median seconds per step, its split by category and by phase path, the
+    labels' shares."""
     labels = [r.label(s) for s in range(r.period)]
     shares = {lab: labels.count(lab) / r.period for lab in dict.fromkeys(labels)}
     fallback = statistics.median(t for ts in r.times.values() for t in ts)
     total, split = 0.0, dict.fromkeys(CATEGORIES, 0.0)
+    paths: dict[tuple[str, ...], float] = {}
     for lab, share in shares.items():
         times = r.times.get(lab)  # a label the timed steps missed (smoke): all steps' median
         total += share * (statistics.median(times) if times else fallback)
         rows = r.phases.get(lab) or [p for ps in r.phases.values() for p in ps]
+        cats = [categorise(p) for p in rows]
         for cat in CATEGORIES:
-            split[cat] += share * statistics.median(p.get(cat, 0.0) for p in rows)
-    return total, split, shares
+            split[cat] += share * statistics.median(c.get(cat, 0.0) for c in cats)
+        for path in {q for p in rows for q in p}:
+            paths[path] = paths.get(path, 0.0) + share * statistics.median(
+                p.get(path, 0.0) for p in rows)
+    by_path = {"/".join(k): v for k, v in sorted(paths.items(), key=lambda kv: -kv[1])}
+    return total, split, by_path, shares
 
 
 def _status() -> dict[str, int]:
@@ -339,11 +346,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for task, runners in measured.items():
         entries: dict[str, Any] = {}
         for r in runners:
-            seconds, split, shares = amortised(r)
+            seconds, split, by_path, shares = amortised(r)
             entries[r.name] = {
                 "baseline": r.baseline,
                 "ms_per_step": 1e3 * seconds,
                 "ms_by_category": {k: 1e3 * v for k, v in split.items()},
+                "ms_by_phase_path": {k: 1e3 * v for k, v in by_path.items()},
                 "label_shares": shares,
                 "median_ms_by_label": {k: 1e3 * statistics.median(v) for k, v in r.times.items()},
                 "steps_by_label": {k: len(v) for k, v in r.times.items()},
