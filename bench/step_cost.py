@@ -22,7 +22,8 @@ time of the timed steps with that label)``: an amortised median (ratio of these 
 the baseline's median in the same run). Each step runs inside a
 :class:`kaisa.profiling.PhaseProfile`; the phase split is amortised the same way, phase
 by phase. Memory: after timing, ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` (tensors of 64 KiB
-and more get and return their own pages) and, per step, the peak resident set size
+and more get and return their own pages) and, per step, after ``malloc_trim(0)`` (the
+heap's free memory back to the system), the peak resident set size
 (``VmHWM`` after resetting it through ``/proc/self/clear_refs``) minus the resident size
 at the step's start; the largest over ``--memory-steps`` steps (Linux only; RSS, not the
 allocator's bytes).
@@ -244,6 +245,8 @@ def amortised(r: Runner) -> tuple[float, dict[str, float], dict[str, float], dic
     labels' shares."""
     labels = [r.label(s) for s in range(r.period)]
     shares = {lab: labels.count(lab) / r.period for lab in dict.fromkeys(labels)}
+    if not r.times:  # --rounds 0: memory only
+        return 0.0, dict.fromkeys(CATEGORIES, 0.0), {}, shares
     fallback = statistics.median(t for ts in r.times.values() for t in ts)
     total, split = 0.0, dict.fromkeys(CATEGORIES, 0.0)
     paths: dict[tuple[str, ...], float] = {}
@@ -276,7 +279,9 @@ def peak_rss(r: Runner, start: int, steps: int) -> dict[str, float]:
     if not Path("/proc/self/clear_refs").exists():
         return {}
     peaks: dict[str, float] = {}
+    libc = ctypes.CDLL("libc.so.6")
     for i in range(start, start + steps):
+        libc.malloc_trim(0)  # free heap memory back to the system: RSS is what is live
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
@@ -330,7 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "steps_per_round": args.round_steps, "memory_steps": args.memory_steps,
                      "cost": "amortised median (labels' shares x per-label medians)",
                      "memory": "peak RSS rise over a step (VmHWM reset via clear_refs), "
-                               "mallopt(M_MMAP_THRESHOLD, 64 KiB), max over memory steps"},
+                               "mallopt(M_MMAP_THRESHOLD, 64 KiB), malloc_trim(0) before each "
+                               "step, max over memory steps"},
         "phase_call_off_ns": off_ns,
         "tasks": {},
     }
@@ -361,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for entry in entries.values():
             if entry["baseline"] is not None:
                 base = entries[entry["baseline"]]
-                entry["ratio"] = entry["ms_per_step"] / base["ms_per_step"]
+                entry["ratio"] = entry["ms_per_step"] / (base["ms_per_step"] or math.nan)
         results["tasks"][task] = entries
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     print(table(results))
