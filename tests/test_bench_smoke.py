@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.bench import load_bench
 
 
 def test_step_cost_smoke(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_step_cost", ROOT / "bench" / "step_cost.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step_cost"] = module
-    spec.loader.exec_module(module)
+    module = load_bench("step_cost")
     out = tmp_path / "step_cost.json"
     results = module.main(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
