@@ -28,10 +28,9 @@ and :class:`~kaisa.KFAC` (quadratic model, AMP) are products around it.
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from fractions import Fraction
 from typing import Any
 
@@ -49,6 +48,7 @@ from kaisa.distributed.gather import gather_decompositions
 from kaisa.distributed.memory import large_factor_message
 from kaisa.hooks import StatisticsRecorder
 from kaisa.methods import SecondOrderMethod, make_method
+from kaisa.profiling import timed
 
 __all__ = ["FIRST_ORDER", "TIMING_KEYS", "KFACCurvature"]
 
@@ -172,14 +172,9 @@ class KFACCurvature:
         for key in self._timings:
             self._timings[key] = 0.0
 
-    @contextmanager
-    def timed(self, key: str) -> Iterator[None]:
-        """Adds the block's host seconds to ``timings[key]``."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._timings[key] += time.perf_counter() - start
+    def timed(self, key: str) -> AbstractContextManager[None]:
+        """Adds the block's host seconds to ``timings[key]`` (:class:`kaisa.profiling.timed`)."""
+        return timed(self._timings, key)
 
     # ------------------------------------------------------------------ recording
     @property

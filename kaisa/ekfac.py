@@ -37,6 +37,7 @@ from kaisa.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
 from kaisa.first_order import AdamStep, adamw_update, step_count
 from kaisa.hyperparams import Schedule, Schedules, check_count
 from kaisa.methods import EigenAdamMethod
+from kaisa.profiling import phase
 from kaisa.shards import rows_of
 
 __all__ = ["EKFAC", "BasisRefresh"]
@@ -245,21 +246,23 @@ class EKFAC(torch.optim.Optimizer):
         results = self.curvature.transform(
             lambda block, grad: method.adam_step(block.decomposition, grad, steps[block.name],
                                                  dtype=dtype, diagonal=block.diagonal_sides))
-        for entry in results:
-            block = entry.block
-            for p, part, rows in zip(block.parameters(), block.parts(entry.direction),
-                                     block.row_slices(), strict=True):
-                if p.grad is None:
-                    continue
-                target = rows_of(p, p, rows)  # the block's rows of a shared p (held: FSDP2)
-                group = group_of[id(p)]
-                if group["weight_decay"] != 0:
-                    target.mul_(1 - group["lr"] * group["weight_decay"])
-                target.add_(part)
-        for group in self.param_groups:
-            adamw_update([p for p in group["params"] if id(p) not in self._covered], self.state,
-                         lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                         weight_decay=group["weight_decay"])
+        with phase("update"):
+            for entry in results:
+                block = entry.block
+                for p, part, rows in zip(block.parameters(), block.parts(entry.direction),
+                                         block.row_slices(), strict=True):
+                    if p.grad is None:
+                        continue
+                    target = rows_of(p, p, rows)  # the block's rows of a shared p (held: FSDP2)
+                    group = group_of[id(p)]
+                    if group["weight_decay"] != 0:
+                        target.mul_(1 - group["lr"] * group["weight_decay"])
+                    target.add_(part)
+        with phase("first_order"):
+            for group in self.param_groups:
+                adamw_update([p for p in group["params"] if id(p) not in self._covered],
+                             self.state, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                             weight_decay=group["weight_decay"])
 
     def _arm(self) -> None:  # whether the coming forward passes record statistics
         s = self.steps

@@ -28,7 +28,6 @@ execution (tests/test_compile.py).
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
@@ -39,6 +38,7 @@ from torch import nn
 
 from kaisa.blocks import CurvatureBlock
 from kaisa.callsites import CallSite, Cut, FunctionalTap, hook_outputs
+from kaisa.profiling import timed
 
 __all__ = ["StatisticsRecorder", "full_precision", "loss_scale"]
 
@@ -265,9 +265,8 @@ class StatisticsRecorder:
         if torch.compiler.is_compiling():  # no host timers inside a compiled graph
             fn(layer, *args)
             return
-        start = time.perf_counter()
-        fn(layer, *args)
-        self._timings["factors"] += time.perf_counter() - start
+        with timed(self._timings, "factors"):
+            fn(layer, *args)
 
 
 def _in_functorch_transform() -> bool:

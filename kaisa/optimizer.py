@@ -22,7 +22,6 @@ pass a ``torch.amp.GradScaler`` as ``grad_scaler``; KFAC drives it (:mod:`kaisa.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from kaisa.optimizer_config import (
     KFACOptimizerConfig,
     StepSize,
 )
+from kaisa.profiling import phase, timed
 from kaisa.quadratic import lm_damping
 from kaisa.replay import RandomState, replayed
 from kaisa.shards import refuse_sharded
@@ -200,58 +200,57 @@ class KFAC(torch.optim.Optimizer):
             if diverged:
                 return loss.detach()
         params = self._params()
-        start = time.perf_counter()
-        if self.curvature.any_rank(self.scaling.unscale_non_finite(self, params)):
-            kind = self.scaling.skipped_step(self.steps)  # an overflow, or warned about
-            self._update_curvature()  # consumes the step's statistics (non-finite G skipped)
-            self.timings["precondition"] += time.perf_counter() - start
+        with timed(self.timings, "precondition"):
+            skip = self.curvature.any_rank(self.scaling.unscale_non_finite(self, params))
+            if skip:
+                kind = self.scaling.skipped_step(self.steps)  # an overflow, or warned about
+                self._update_curvature()  # consumes the step's statistics (non-finite G skipped)
+            else:
+                params = [p for p in params if id(p) not in self._first_order_ids]
+                if cfg.adaptive_lr:
+                    raw, directions = self._direction(params)
+                else:
+                    self._update_curvature()
+                    write_preconditioned(
+                        self.curvature.precondition(self.damping),
+                        kl_clip=self._schedules.optional("kl_clip", self.steps),
+                        lr=self._current("lr"),
+                    )
+        if skip:
             self.last = {"lr": 0.0, "momentum": 0.0, "damping": self.damping, kind: 1.0}
             self._end_step()
             return None if loss is None else loss.detach()
-        params = [p for p in params if id(p) not in self._first_order_ids]
         if cfg.adaptive_lr:
             assert outputs is not None and loss is not None and closure is not None
-            raw, directions = self._direction(params)
-            self.timings["precondition"] += time.perf_counter() - start
             vectors = [directions]
             velocity = [self.state[p].get("velocity") for p in params]
             if cfg.adaptive_momentum and all(v is not None for v in velocity):
                 vectors.append([v for v in velocity if v is not None])
-            start = time.perf_counter()  # coefficients: the model's minimiser, over ranks
-            quad, lin, sq = self.quadratic_model(outputs, params, raw, vectors, linearization)
-            k = len(vectors)
-            reduced = self.curvature.mean_over_ranks(torch.cat([quad.flatten(), lin,
-                                                                loss.detach().double()[None]]))
-            coeffs, predicted = quadratic.minimise(reduced[: k * k].view(k, k),
-                                                   reduced[k * k : k * k + k], sq, self.damping,
-                                                   cfg.max_momentum)
-            del vectors[len(coeffs):]  # momentum collinear with the direction was dropped
-            loss_before = float(reduced[-1])
-            self.timings["quadratic_model"] += time.perf_counter() - start
-            start = time.perf_counter()
-            alpha, mu = quadratic.apply(params, vectors, coeffs, self.state)
-            for group in self.param_groups:
-                group["lr"], group["momentum"] = -alpha, mu
-            self.timings["update"] += time.perf_counter() - start
+            with timed(self.timings, "quadratic_model"):  # the model's minimiser, over ranks
+                quad, lin, sq = self.quadratic_model(outputs, params, raw, vectors, linearization)
+                k = len(vectors)
+                reduced = self.curvature.mean_over_ranks(torch.cat([quad.flatten(), lin,
+                                                                    loss.detach().double()[None]]))
+                coeffs, predicted = quadratic.minimise(reduced[: k * k].view(k, k),
+                                                       reduced[k * k : k * k + k], sq,
+                                                       self.damping, cfg.max_momentum)
+                del vectors[len(coeffs):]  # momentum collinear with the direction was dropped
+                loss_before = float(reduced[-1])
+            with timed(self.timings, "update"):
+                alpha, mu = quadratic.apply(params, vectors, coeffs, self.state)
+                for group in self.param_groups:
+                    group["lr"], group["momentum"] = -alpha, mu
             self.last = {"lr": -alpha, "momentum": mu, "damping": self.damping,
                          "predicted_change": predicted, "loss": loss_before}
             if adapt and rng is not None:
-                start = time.perf_counter()
-                self._adapt_damping(closure, loss_before, predicted, rng)
-                self.timings["damping"] += time.perf_counter() - start
+                with timed(self.timings, "damping"):
+                    self._adapt_damping(closure, loss_before, predicted, rng)
         else:
-            self._update_curvature()
-            write_preconditioned(
-                self.curvature.precondition(self.damping),
-                kl_clip=self._schedules.optional("kl_clip", self.steps),
-                lr=self._current("lr"),
-            )
-            self.timings["precondition"] += time.perf_counter() - start
-            start = time.perf_counter()
-            self._sgd_update(params)
-            self.timings["update"] += time.perf_counter() - start
+            with timed(self.timings, "update"):
+                self._sgd_update(params)
         if self.first_order is not None:
-            self.first_order.step()
+            with phase("first_order"):
+                self.first_order.step()
         self._end_step()
         return None if loss is None else loss.detach()
 
@@ -268,11 +267,11 @@ class KFAC(torch.optim.Optimizer):
         """
         cfg, curvature, steps = self.config, self.curvature, self.steps
         factor_step = steps % self._schedules.integer("factor_update_steps", steps) == 0
-        start = time.perf_counter()
         linearization: quadratic.JacobianProducts | None = None
         forward_mode = cfg.adaptive_lr and cfg.jvp is JacobianMethod.FORWARD
-        with torch.enable_grad():
-            outputs, targets = call(closure)
+        with timed(self.timings, "loss_and_grad"), torch.enable_grad():
+            with phase("forward"):
+                outputs, targets = call(closure)
             self._reduced_precision = outputs.dtype in HALF
             outputs = full_precision_outputs(outputs)
             loss = self.loss(outputs, targets)
@@ -296,20 +295,20 @@ class KFAC(torch.optim.Optimizer):
             divisor = self.scaling.divisor(fisher)
             scaled = self.scaling.scaled
             if cfg.curvature is not Curvature.EMPIRICAL and factor_step:
-                built = record_g(
-                    cfg.curvature, curvature, self.loss, outputs, params=params,
-                    covered=[p for p in params if id(p) not in self._first_order_ids],
-                    samples=cfg.mc_samples, generator=self._generator, share=self._share,
-                    divisor=divisor,
-                    scaled=scaled, linearize=keep,
-                )
+                with phase("curvature_backward"):  # the sampled targets' passes, G
+                    built = record_g(
+                        cfg.curvature, curvature, self.loss, outputs, params=params,
+                        covered=[p for p in params if id(p) not in self._first_order_ids],
+                        samples=cfg.mc_samples, generator=self._generator, share=self._share,
+                        divisor=divisor,
+                        scaled=scaled, linearize=keep,
+                    )
                 linearization = built if built is not None else linearization
-                with curvature.output_gradients(passes=0):
+                with curvature.output_gradients(passes=0), phase("backward"):
                     torch.autograd.backward(scaled(loss), retain_graph=keep)
             else:
-                with curvature.output_gradients(passes=1, divisor=divisor):
+                with curvature.output_gradients(passes=1, divisor=divisor), phase("backward"):
                     torch.autograd.backward(scaled(loss), retain_graph=keep)
-        self.timings["loss_and_grad"] += time.perf_counter() - start
         return outputs, loss, linearization, False
 
     def _update_curvature(self) -> None:  # the core's updates, when due

@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from kaisa.losses import Loss
+from kaisa.profiling import phase
 
 __all__ = [
     "ForwardLinearization",
@@ -205,7 +206,8 @@ def quadratic_model(
     k = len(vectors)
     products = gram([raw, *vectors])  # [g, v_1, ..., v_k] pairwise dot products
     norms = products.diagonal()[1:].sqrt().tolist() if unit_products else None
-    jvs = linearization.jacobian_vector_products(vectors, norms)
+    with phase("jacobian_vector_products"):
+        jvs = linearization.jacobian_vector_products(vectors, norms)
     quad = torch.empty(k, k, dtype=torch.float64, device=outputs.device)
     for i in range(k):
         for j in range(i, k):

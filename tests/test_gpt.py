@@ -1,6 +1,5 @@
 """The byte-level GPT, the stdlib text corpus, ``kaisa-train --task lm`` and bench/gpt.py."""
 
-import importlib.util
 import json
 import math
 import os
@@ -15,6 +14,7 @@ from kaisa.models import build_model
 from kaisa.models.gpt import gpt
 from kaisa.train import text
 from kaisa.train.cli import main
+from tests.support.bench import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -214,11 +214,7 @@ def test_lm_bad_input_exits_2(
 
 
 def test_bench_gpt_smoke(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "bench" / "gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpt"] = module
-    spec.loader.exec_module(module)
+    module = load_bench("gpt")
     out = tmp_path / "gpt.json"
     only = "adamw@0.001,adamw@0.01,muon,soap,adamw+kfac,kfac@damping=0.1"
     payload = module.main(["--tiny", "--steps", "3", "--only", only, "--out", str(out),

@@ -156,3 +156,13 @@ def test_finite_factor_whose_sum_overflows_is_folded_by_the_preconditioner() -> 
     layer = pre.layers[""]
     assert pre.skipped_factor_updates == 0
     assert layer.a is not None and bool(torch.isfinite(layer.a).all())
+
+
+def test_prescaled_passes_a_safe_cpu_input_on_uncopied() -> None:
+    x = torch.randn(64, 5)
+    out, f = kaisa.ops.prescaled(x, 64, 1.0 / 64)
+    assert out is x and f.item() == 1.0  # no x * 1 pass on the CPU
+    big = torch.full((64, 5), 1e19)  # 64 * 1e38 overflows float32 before the 1 / 64
+    out, f = kaisa.ops.prescaled(big, 64, 1.0 / 64)
+    assert out is not big and f.item() == pytest.approx(0.125)
+    assert torch.equal(out, big * f)

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager
 from fractions import Fraction
 from typing import Any, TypeAlias
 
@@ -51,6 +50,7 @@ from kaisa.distributed.torch_comm import make_communicator
 from kaisa.enums import Side
 from kaisa.finite import all_finite
 from kaisa.methods import Payload, SecondOrderMethod
+from kaisa.profiling import timed
 from kaisa.shards import full_tensor, is_sharded
 
 __all__ = ["BlockRule", "DistributedEngine"]
@@ -433,12 +433,6 @@ class DistributedEngine:
             return values
         return self._comm.allreduce_mean(values, kind="control").wait()
 
-    @contextmanager
-    def _waiting(self) -> Iterator[None]:
+    def _waiting(self) -> AbstractContextManager[None]:
         """Adds the seconds spent in the block to the ``'communication'`` timing."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - start
-            self._timings["communication"] = self._timings.get("communication", 0.0) + elapsed
+        return timed(self._timings, "communication")

@@ -6,7 +6,10 @@ whether a kernel scales before or after its sum depends on the backend and the m
 When ``rows * max|x|^2`` could reach the dtype's maximum, the input is multiplied by
 ``f = sqrt(scale)`` first and the result divided by ``f^2`` (by ``f`` in a bias row or
 column) afterwards; otherwise ``f = 1``, which changes no bit. The choice is made on the
-device (no host synchronisation) and is the same on every backend.
+device (no host synchronisation) and is the same on every backend; on the CPU, where
+reading it costs no wait, an input that needs no scaling is passed on as it is (not
+copied by ``x * 1``: a full pass over every factor's input, a third of a conv layer's G
+factor time on ResNet-32).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def prescaled(x: torch.Tensor, rows: int, scale: float) -> tuple[torch.Tensor, t
     threshold = math.sqrt(torch.finfo(x.dtype).max / 4.0 / rows)  # margin for rounding
     lo, hi = torch.aminmax(x.detach())  # min/max: far cheaper than a norm on CPU
     risky = torch.maximum(hi, -lo) > threshold
+    # on the CPU there is no device to wait for: skip x * 1 (not in a compiled graph)
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(risky):
+        return x, torch.ones((), dtype=x.dtype, device=x.device)
     f = 1.0 + risky.to(x.dtype) * (math.sqrt(scale) - 1.0)
     return x * f, f
 

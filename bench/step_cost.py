@@ -1,0 +1,384 @@
+"""Per-step cost of kaisa's optimizers against their first-order baselines, and where it goes.
+
+Tasks and configurations (each keeps its own model, built from the same seed):
+
+* ``resnet32``: CIFAR ResNet-32, batch 128 of synthetic 3x32x32 inputs, cross-entropy.
+  ``sgd`` (momentum 0.9) against ``KFACPreconditioner`` + SGD with factors every 10 /
+  inverses every 100 (KAISA's settings) and factors every step / inverses every 10.
+* ``autoencoder``: 784-400-200-100-50-25-6 (and back, tanh), batch 256 of synthetic
+  inputs in [0, 1), MSE. ``adam`` against ``kaisa.KFAC(loss="mse")`` (adaptive, defaults).
+* ``gpt``: ``bench/gpt.py``'s byte GPT (d 128, 4 layers, 4 heads, context 64, batch 32,
+  its stdlib corpus). ``adamw`` and ``adam`` (lr 3e-3) against ``KFACPreconditioner`` +
+  AdamW at factors every 10 / inverses every 100 (``bench/gpt.py``'s kinds and damping),
+  ``kaisa.KFAC(loss="cross_entropy")`` (defaults) and ``kaisa.EKFAC`` (lr 3e-3, factors
+  every step, eigenbases every 10, as in ``bench/gpt.py``). No clipping, no lr schedule.
+
+Protocol: one thread; ``--warmup`` steps, then ``--rounds`` rounds of ``--round-steps``
+steps of every configuration of a task in turn (the order rotating), so a slow patch of
+the machine hits all alike. Every step is labelled by what its schedule does (``F``
+factors, ``I`` inverses/eigenbases, ``D`` the LM damping rule); the per-step cost is
+``sum over labels of (the label's share of steps in one full schedule period) x (median
+time of the timed steps with that label)``: an amortised median (ratio of these against
+the baseline's median in the same run). Each step runs inside a
+:class:`kaisa.profiling.PhaseProfile`; the phase split is amortised the same way, phase
+by phase. Memory: after timing, ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` (tensors of 64 KiB
+and more get and return their own pages) and, per step, after ``malloc_trim(0)`` (the
+heap's free memory back to the system), the peak resident set size
+(``VmHWM`` after resetting it through ``/proc/self/clear_refs``) minus the resident size
+at the step's start; the largest over ``--memory-steps`` steps (Linux only; RSS, not the
+allocator's bytes).
+
+    python bench/step_cost.py                    # the full run (tens of minutes on 1 core)
+    python bench/step_cost.py --smoke --out /tmp/s.json   # tiny sizes, a few steps
+
+Writes ``bench/results/step_cost.json`` and a stacked-bar plot beside it (``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kaisa
+from kaisa import models
+from kaisa.models.gpt import gpt
+from kaisa.profiling import PhaseProfile, phase
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_cost_report import CATEGORIES, categorise, plot, table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Runner:
+    """One configuration: ``step(i)`` trains step ``i``; ``label(i)`` what its schedule does."""
+
+    name: str
+    baseline: str | None  # the configuration it is compared with (None: it is a baseline)
+    step: Callable[[int], None]
+    label: Callable[[int], str]
+    period: int  # steps after which the labels repeat
+    state_bytes: Callable[[], int] = lambda: 0
+    times: dict[str, list[float]] = field(default_factory=dict)
+    phases: dict[str, list[dict[tuple[str, ...], float]]] = field(default_factory=dict)
+
+
+def schedule(**every: int) -> tuple[Callable[[int], str], int]:
+    """Labels ``step -> letters`` of the events due at a step, and their common period."""
+    return (lambda s: "".join(k for k, n in every.items() if s % n == 0) or "-",
+            math.lcm(*every.values()))
+
+
+def first_order_step(model: nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     batches: list[Batch], optimizer: torch.optim.Optimizer,
+                     pre: Any = None, *, kfac: bool = False) -> Callable[[int], None]:
+    """A step of ``optimizer`` (after ``pre.step()``, the preconditioner's, if given).
+
+    ``kfac``: the optimizer is kaisa's (its step's own remainder is overhead, not update).
+    """
+    name = "kfac_step" if kfac else "first_order"
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        optimizer.zero_grad(set_to_none=True)
+        with phase("forward"):
+            value = loss(model(x), y)
+        with phase("backward"):
+            value.backward()  # type: ignore[no-untyped-call]
+        if pre is not None:
+            with phase("kfac_step"):
+                pre.step()
+        with phase(name):
+            optimizer.step()
+
+    return step
+
+
+def kfac_step(model: nn.Module, batches: list[Batch], kfac: kaisa.KFAC) -> Callable[[int], None]:
+    """A ``kaisa.KFAC`` step (its closure runs the forward pass)."""
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        kfac.step(lambda: (model(x), y))
+
+    return step
+
+
+def state_of(optimizer: Any) -> Callable[[], int]:
+    """Bytes of K-FAC state (factors, decompositions, buffers)."""
+    curvature = optimizer.curvature
+    return lambda: int(curvature.memory_usage()["total"])
+
+
+def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per token."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def resnet_runners(smoke: bool) -> list[Runner]:
+    """SGD and two KFACPreconditioner schedules on ResNet-32."""
+    batch, side = (4, 8) if smoke else (128, 32)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(batch, 3, side, side, generator=gen),
+                torch.randint(0, 10, (batch,), generator=gen)) for _ in range(4)]
+    runners = []
+    for name, every in (("sgd", None), ("kfac_pre 10/100 + sgd", (10, 100)),
+                        ("kfac_pre 1/10 + sgd", (1, 10))):
+        torch.manual_seed(0)
+        model = models.resnet32(num_classes=10)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if every is None:
+            step = first_order_step(model, F.cross_entropy, batches, opt)
+            runners.append(Runner(name, None, step, *schedule()))
+            continue
+        pre = kaisa.KFACPreconditioner(model, factor_update_steps=every[0],
+                                       inv_update_steps=every[1], lr=0.1)
+        runners.append(Runner(name, "sgd",
+                              first_order_step(model, F.cross_entropy, batches, opt, pre),
+                              *schedule(F=every[0], I=every[1]), state_of(pre)))
+    return runners
+
+
+def autoencoder_runners(smoke: bool) -> list[Runner]:
+    """Adam and adaptive KFAC on the 784-400-200-100-50-25-6 autoencoder."""
+    dims, hidden, batch = (32, (16, 8), 16) if smoke else (784, (400, 200, 100, 50, 25, 6), 256)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(x, x) for x in (torch.rand(batch, dims, generator=gen) for _ in range(4))]
+    torch.manual_seed(0)
+    model = models.autoencoder(input_dim=dims, hidden_dims=hidden)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    runners = [Runner("adam", None, first_order_step(model, F.mse_loss, batches, adam),
+                      *schedule())]
+    torch.manual_seed(0)
+    model = models.autoencoder(input_dim=dims, hidden_dims=hidden)
+    kfac = kaisa.KFAC(model, loss="mse")
+    return [*runners, Runner("kfac adaptive", "adam", kfac_step(model, batches, kfac),
+                             *schedule(F=1, I=1, D=kfac.config.damping_interval),
+                             state_of(kfac))]
+
+
+def gpt_runners(smoke: bool) -> list[Runner]:
+    """AdamW, Adam, KFACPreconditioner + AdamW, adaptive KFAC and EKFAC on bench/gpt.py's GPT."""
+    from kaisa.train.text import load_text
+
+    shape = (dict(d_model=32, n_layers=2, context=16, n_heads=4), 4, 60_000) if smoke else (
+        dict(d_model=128, n_layers=4, context=64, n_heads=4), 32, 2 * 2**20)
+    sizes, batch, text_bytes = shape
+    data = load_text(context=int(sizes["context"]), examples_per_epoch=batch,
+                     max_bytes=text_bytes, eval_windows=8)
+    batches = [data.batch(torch.arange(batch), i) for i in range(4)]
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return gpt(**sizes)
+
+    runners = []
+    for name in ("adamw", "adam"):
+        model = build()
+        opt: torch.optim.Optimizer = (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(
+            model.parameters(), lr=3e-3)
+        runners.append(Runner(name, None, first_order_step(model, lm_loss, batches, opt),
+                              *schedule()))
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    pre = kaisa.KFACPreconditioner(model, damping=0.03, factor_update_steps=10,
+                                   inv_update_steps=100, lr=3e-3,
+                                   layer_kinds=("linear", "attention", "embedding"))
+    runners.append(Runner("kfac_pre 10/100 + adamw", "adamw",
+                          first_order_step(model, lm_loss, batches, opt, pre),
+                          *schedule(F=10, I=100), state_of(pre)))
+    model = build()
+    kfac = kaisa.KFAC(model, loss="cross_entropy")
+    runners.append(Runner("kfac adaptive", "adam", kfac_step(model, batches, kfac),
+                          *schedule(F=1, I=1, D=kfac.config.damping_interval), state_of(kfac)))
+    model = build()
+    ekfac = kaisa.EKFAC(model, lr=3e-3, factor_update_steps=1, basis_update_steps=10)
+    runners.append(Runner("ekfac", "adamw",
+                          first_order_step(model, lm_loss, batches, ekfac, kfac=True),
+                          *schedule(F=1, I=10), state_of(ekfac)))
+    return runners
+
+
+TASKS: dict[str, Callable[[bool], list[Runner]]] = {
+    "resnet32": resnet_runners, "autoencoder": autoencoder_runners, "gpt": gpt_runners,
+}
+
+
+def run_task(runners: list[Runner], warmup: int, rounds: int, per_round: int) -> None:
+    """Warm-up, then interleaved timed rounds; fills ``times`` and ``phases`` by label."""
+    for r in runners:
+        for i in range(warmup):
+            r.step(i)
+    for k in range(rounds):
+        for r in runners[k % len(runners):] + runners[: k % len(runners)]:
+            for j in range(per_round):
+                i = warmup + k * per_round + j
+                with PhaseProfile() as profile:
+                    start = time.perf_counter()
+                    with phase("step"):
+                        r.step(i)
+                    elapsed = time.perf_counter() - start
+                label = r.label(i)
+                r.times.setdefault(label, []).append(elapsed)
+                r.phases.setdefault(label, []).append(dict(profile.seconds))
+
+
+def amortised(r: Runner) -> tuple[float, dict[str, float], dict[str, float], dict[str, float]]:
+    """Amortised median seconds per step, its split by category and by phase path, the
+    labels' shares."""
+    labels = [r.label(s) for s in range(r.period)]
+    shares = {lab: labels.count(lab) / r.period for lab in dict.fromkeys(labels)}
+    if not r.times:  # --rounds 0: memory only
+        return 0.0, dict.fromkeys(CATEGORIES, 0.0), {}, shares
+    fallback = statistics.median(t for ts in r.times.values() for t in ts)
+    total, split = 0.0, dict.fromkeys(CATEGORIES, 0.0)
+    paths: dict[tuple[str, ...], float] = {}
+    for lab, share in shares.items():
+        times = r.times.get(lab)  # a label the timed steps missed (smoke): all steps' median
+        total += share * (statistics.median(times) if times else fallback)
+        rows = r.phases.get(lab) or [p for ps in r.phases.values() for p in ps]
+        cats = [categorise(p) for p in rows]
+        for cat in CATEGORIES:
+            split[cat] += share * statistics.median(c.get(cat, 0.0) for c in cats)
+        for path in {q for p in rows for q in p}:
+            paths[path] = paths.get(path, 0.0) + share * statistics.median(
+                p.get(path, 0.0) for p in rows)
+    by_path = {"/".join(k): v for k, v in sorted(paths.items(), key=lambda kv: -kv[1])}
+    return total, split, by_path, shares
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS", "VmHWM")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def peak_rss(r: Runner, start: int, steps: int) -> dict[str, float]:
+    """Largest peak-RSS rise over one step, by label (MiB); empty where unsupported."""
+    if not Path("/proc/self/clear_refs").exists():
+        return {}
+    peaks: dict[str, float] = {}
+    libc = ctypes.CDLL("libc.so.6")
+    for i in range(start, start + steps):
+        libc.malloc_trim(0)  # free heap memory back to the system: RSS is what is live
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            return {}
+        before = _status()["VmRSS"]
+        r.step(i)
+        rise = (_status()["VmHWM"] - before) / 2**20
+        peaks[r.label(i)] = max(peaks.get(r.label(i), 0.0), rise)
+    return peaks
+
+
+def phase_call_ns(calls: int = 20000) -> float:
+    """Nanoseconds of one ``with phase(...)`` while no profile is active."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        with phase("x"):
+            pass
+    return 1e9 * (time.perf_counter() - start) / calls
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the tasks, prints the table, writes the JSON and the plot."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--round-steps", type=int, default=10)
+    parser.add_argument("--memory-steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=RESULTS / "step_cost.json")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--replot", action="store_true",
+                        help="only print the table and redraw the plot of --out")
+    args = parser.parse_args(argv)
+    if args.replot:
+        saved: dict[str, Any] = json.loads(args.out.read_text())
+        print(table(saved))
+        plot(saved, args.out.with_suffix(".png"))
+        return saved
+    if args.smoke:
+        args.warmup, args.rounds, args.round_steps, args.memory_steps = 1, 1, 2, 1
+    torch.set_num_threads(1)
+    off_ns = phase_call_ns()
+    results: dict[str, Any] = {
+        "benchmark": "bench/step_cost.py",
+        "smoke": args.smoke,
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "torch": torch.__version__, "threads": 1, "backend": kaisa.ops.backend(),
+                    "loadavg_start": list(os.getloadavg())},
+        "protocol": {"warmup": args.warmup, "rounds": args.rounds,
+                     "steps_per_round": args.round_steps, "memory_steps": args.memory_steps,
+                     "cost": "amortised median (labels' shares x per-label medians)",
+                     "memory": "peak RSS rise over a step (VmHWM reset via clear_refs), "
+                               "mallopt(M_MMAP_THRESHOLD, 64 KiB), malloc_trim(0) before each "
+                               "step, max over memory steps"},
+        "phase_call_off_ns": off_ns,
+        "tasks": {},
+    }
+    measured: dict[str, list[Runner]] = {}
+    for task in args.tasks.split(","):
+        runners = TASKS[task](args.smoke)
+        print(f"[{task}] {', '.join(r.name for r in runners)}", flush=True)
+        run_task(runners, args.warmup, args.rounds, args.round_steps)
+        measured[task] = runners
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    first = args.warmup + args.rounds * args.round_steps
+    for task, runners in measured.items():
+        entries: dict[str, Any] = {}
+        for r in runners:
+            seconds, split, by_path, shares = amortised(r)
+            entries[r.name] = {
+                "baseline": r.baseline,
+                "ms_per_step": 1e3 * seconds,
+                "ms_by_category": {k: 1e3 * v for k, v in split.items()},
+                "ms_by_phase_path": {k: 1e3 * v for k, v in by_path.items()},
+                "label_shares": shares,
+                "median_ms_by_label": {k: 1e3 * statistics.median(v) for k, v in r.times.items()},
+                "steps_by_label": {k: len(v) for k, v in r.times.items()},
+                "peak_rss_rise_mib_by_label": peak_rss(r, first, args.memory_steps),
+                "kfac_state_mib": r.state_bytes() / 2**20,
+            }
+        for entry in entries.values():
+            if entry["baseline"] is not None:
+                base = entries[entry["baseline"]]
+                entry["ratio"] = entry["ms_per_step"] / (base["ms_per_step"] or math.nan)
+        results["tasks"][task] = entries
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    print(table(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    if not args.no_plot:
+        plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
+    raise SystemExit(0)
