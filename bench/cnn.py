@@ -22,7 +22,9 @@ Configurations (``--only`` picks some; the machinery is ``bench/compare.py``'s):
   convolution filters as ``(out, in * 3 * 3)`` matrices (the classifier's weight 2-D;
   BatchNorm and bias vectors plain Adam).
 * ``adamw+kfac``: ``kaisa.KFACPreconditioner`` (damping 0.03, factors every step,
-  inverses every 10, convolutions and the classifier) + AdamW 1e-2.
+  inverses every 10, convolutions and the classifier) + AdamW 1e-2. Not in the default
+  run: in an aborted 32x32 run its validation loss was 1.6e3 at step 20 (training loss
+  0.86, BatchNorm in eval mode); not investigated yet.
 * ``ekfac@lr`` for lr 3e-3, 1e-2, 3e-2: ``kaisa.EKFAC`` (AdamW's betas and eps, factors every
   step, eigenbases by ``eigh`` every 10 steps), and ``ekfac-f5-b95@1e-2`` (the GPT's fast
   recipe: factors every 5 steps with decay 0.95**5, beta2 0.95; ``bench/compare.py``).
@@ -35,7 +37,7 @@ The lr-based ones use warmup 20 steps then cosine to 10%, gradient clipping at n
 1.0 (before preconditioning) and weight decay 0.1 on the convolution filters and the
 classifier's weight (AdamW, Muon, SOAP, EKFAC), as ``bench/gpt.py`` does.
 
-    python bench/cnn.py                       # 200 steps, batch 32, 32x32
+    python bench/cnn.py                       # 150 steps, batch 32, 32x32
     python bench/cnn.py --tiny --steps 3 --out /tmp/cnn.json   # smoke test (8x8, batch 4)
 """
 
@@ -60,7 +62,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ADAMW_GRID = (1e-3, 3e-3, 1e-2)
 EKFAC_GRID = (3e-3, 1e-2, 3e-2)
 CONFIGS = (
-    *(f"adamw@{lr:g}" for lr in ADAMW_GRID), "muon", "soap", "adamw+kfac", "kfac",
+    *(f"adamw@{lr:g}" for lr in ADAMW_GRID), "muon", "soap", "kfac",
     *(f"ekfac@{lr:g}" for lr in EKFAC_GRID), "ekfac-f5-b95@0.01",
 )
 RECIPE = Recipe(
@@ -119,7 +121,7 @@ class Digits:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the comparison; write JSON (and the plot); return the JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--size", type=int, default=32, help="image side (8: no upsampling)")
     parser.add_argument("--eval-every", type=int, default=10)
