@@ -10,6 +10,8 @@
 
 #include <torch/library.h>
 
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #ifdef KAISA_PYTHON_MODULE
@@ -78,6 +80,12 @@ void check_eigen_precondition_args(const at::Tensor& grad, const at::Tensor& qa,
   const bool batched = grad.dim() == 3;
   const int64_t m = grad.size(-2);
   const int64_t n = grad.size(-1);
+  // The CUDA kernel's limits (cuBLAS's int sizes and batch count, 32-bit element
+  // indices within one matrix), enforced for every backend.
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK((n == 0 || m <= kMax / n) && (!batched || grad.size(0) <= kMax), op,
+              "grad must have at most 2^31 - 1 elements per matrix (m * n) and at most "
+              "2^31 - 1 matrices, got ", grad.sizes());
   auto expect = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape) {
     if (batched) {
       shape.insert(shape.begin(), grad.size(0));

@@ -3,7 +3,8 @@
 A decomposition is first computed in the requested dtype (at least float32); if it
 raises or returns non-finite values it is retried in float64; if that fails too the
 caller gets ``None`` and keeps what it had. Factors of the same size are decomposed in
-one batched call (one host synchronisation per size group for the finiteness check).
+one batched call with one host synchronisation per size group for the finiteness check:
+the CUDA op's own (it checks ``info`` and finiteness on the device), elsewhere ours.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ def _all_finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
 
 def _eigh(mats: torch.Tensor, dtype: torch.dtype) -> EigenResult | None:
     """One batched attempt; ``None`` if it raised or produced non-finite values."""
+    m = mats.to(dtype)
     try:
-        evals, evecs = ops.eigh(mats.to(dtype))
+        evals, evecs = ops.eigh(m)
     except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
         logger.debug("eigh failed in %s: %s", dtype, err)
         return None
-    if not all(_all_finite([evals, evecs])):
+    # The CUDA op has checked finiteness in its own (only) host synchronisation.
+    if not ops.eigh_checks_finite(m) and not all(_all_finite([evals, evecs])):
         return None
     return EigenResult(evals.clamp_(min=0.0), evecs)
 

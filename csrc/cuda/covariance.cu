@@ -14,7 +14,9 @@
 // split writes its partial tile to a workspace and a second, tiled kernel sums
 // the splits in a fixed order (deterministic), applies scale, casts
 // to the output dtype and mirrors the upper tiles into the lower triangle
-// (exactly symmetric result). See docs/cuda-kernels.md.
+// (exactly symmetric result). Without a split there is no workspace and no
+// second kernel: the tile kernel writes the scaled, cast tile and its mirror
+// into the output. See docs/cuda-kernels.md.
 #include "common.cuh"
 
 #include <algorithm>
@@ -68,10 +70,15 @@ __device__ __forceinline__ void decode_pair(int pair, int n_tiles, int& bi, int&
 
 // Partial (unscaled) Gram tiles. grid = (tile pairs, groups, splits).
 // ws layout: [split][group][d][d]; only tiles (bi <= bj) are written.
+// Without split-K (splits == 1, ws == nullptr) the block writes the finished
+// tile instead: scale * acc cast to the output type, into `out` (groups, d, d)
+// at (i, j) and, off the diagonal tiles, mirrored at (j, i) (a diagonal tile's
+// (j, i) is its own element, bit-identical to (i, j), see below).
 template <typename scalar_t, typename acc_t, bool kConv>
 __global__ void __launch_bounds__(kThreads)
     gram_tile_kernel(const scalar_t* __restrict__ x, const Geom g, acc_t* __restrict__ ws,
-                     const int n_tiles, const int64_t chunks_per_split) {
+                     scalar_t* __restrict__ direct, const acc_t scale, const int n_tiles,
+                     const int64_t chunks_per_split) {
   __shared__ acc_t As[kChunk][kTile + kPad];
   __shared__ acc_t Bs[kChunk][kTile + kPad];
   // conv: per-column channel offset (or sentinel) and kernel-tap offsets for
@@ -228,6 +235,23 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
 
+  if (ws == nullptr) {
+    scalar_t* o = direct + static_cast<int64_t>(group) * g.d * g.d;
+#pragma unroll
+    for (int m = 0; m < kMicro; ++m) {
+      const int i = i0 + ty + m * kThreadsPerDim;
+      if (i >= g.d) continue;
+#pragma unroll
+      for (int n = 0; n < kMicro; ++n) {
+        const int j = j0 + tx + n * kThreadsPerDim;
+        if (j >= g.d) continue;
+        const scalar_t v = from_acc<scalar_t>(scale * acc[m][n]);
+        o[static_cast<int64_t>(i) * g.d + j] = v;
+        if (!diag) o[static_cast<int64_t>(j) * g.d + i] = v;
+      }
+    }
+    return;
+  }
   acc_t* out = ws + (static_cast<int64_t>(split) * gridDim.y + group) * g.d * g.d;
 #pragma unroll
   for (int m = 0; m < kMicro; ++m) {
@@ -292,7 +316,7 @@ __global__ void __launch_bounds__(kFinTile* kFinRows)
 // x's device).
 void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, bool conv,
                const at::Tensor& out) {
-  TORCH_INTERNAL_ASSERT(out.is_contiguous());
+  TORCH_INTERNAL_ASSERT(out.is_contiguous() && out.scalar_type() == x.scalar_type());
   if (g.d == 0 || groups == 0) return;
   TORCH_CHECK(groups <= 65535, "kaisa: at most 65535 groups are supported, got ", groups);
   const int n_tiles = ceil_div(g.d, kTile);
@@ -314,8 +338,12 @@ void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, boo
   if (chunks_per_split > 0) splits = ceil_div<int64_t>(total_chunks, chunks_per_split);
   splits = std::max<int64_t>(splits, 1);
 
-  at::Tensor ws = at::empty({splits, groups, g.d, g.d}, x.options().dtype(dbl ? at::kDouble
-                                                                              : at::kFloat));
+  // The fp32 / fp64 workspace of the partial tiles only when the rows are split;
+  // otherwise the tile kernel writes the finished result (no finalize kernel).
+  at::Tensor ws;
+  if (splits > 1) {
+    ws = at::empty({splits, groups, g.d, g.d}, x.options().dtype(dbl ? at::kDouble : at::kFloat));
+  }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(pairs), static_cast<unsigned>(groups),
                   static_cast<unsigned>(splits));
@@ -323,18 +351,20 @@ void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, boo
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "kaisa_gram_tile", [&] {
         using acc_t = acc_type_t<scalar_t>;
+        acc_t* partial = ws.defined() ? ws.mutable_data_ptr<acc_t>() : nullptr;
+        scalar_t* direct = ws.defined() ? nullptr : out.mutable_data_ptr<scalar_t>();
+        const auto s = static_cast<acc_t>(scale);
         if (conv) {
           gram_tile_kernel<scalar_t, acc_t, true><<<grid, kThreads, 0, stream>>>(
-              x.const_data_ptr<scalar_t>(), g, ws.mutable_data_ptr<acc_t>(), n_tiles,
-              chunks_per_split);
+              x.const_data_ptr<scalar_t>(), g, partial, direct, s, n_tiles, chunks_per_split);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         } else {
           gram_tile_kernel<scalar_t, acc_t, false><<<grid, kThreads, 0, stream>>>(
-              x.const_data_ptr<scalar_t>(), g, ws.mutable_data_ptr<acc_t>(), n_tiles,
-              chunks_per_split);
+              x.const_data_ptr<scalar_t>(), g, partial, direct, s, n_tiles, chunks_per_split);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
       });
+  if (!ws.defined()) return;
 
   const int ft = ceil_div(g.d, kFinTile);
   const dim3 fgrid(static_cast<unsigned>(ft), static_cast<unsigned>(ft),

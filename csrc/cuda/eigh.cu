@@ -1,16 +1,17 @@
 // batched_eigh(a) -> (eigenvalues ascending (B, n), eigenvectors (B, n, n) in columns)
 // for one batch of symmetric matrices, on cuSOLVER.
 //
-// Routine chosen per call (see docs/cuda-kernels.md):
-//   n <= 32                       cusolverDn{S,D}syevjBatched (Jacobi, one launch)
-//   n > 32, B == 1                cusolverDn{S,D}syevd on the current stream
-//   n > 32, B > 1, cuSOLVER with
+// Routine chosen per call (see docs/cuda-kernels.md), N = KAISA_SYEVJ_MAX_N
+// (default 32, a performance knee to be set from a GPU benchmark, not an API limit):
+//   n <= N                        cusolverDn{S,D}syevjBatched (Jacobi, one launch)
+//   n > N, B == 1                 cusolverDn{S,D}syevd on the current stream
+//   n > N, B > 1, cuSOLVER with
 //     XsyevBatched (>= 11.7.1)    cusolverDnXsyevBatched (one call per chunk of the
 //                                 batch under its n * lda * batch <= INT32_MAX limit)
 //   otherwise                     cusolverDn{S,D}syevd per matrix, round-robin over
 //                                 up to 4 pool streams joined back with events
 // The environment variable KAISA_EIGH_IMPL=auto|syevj|xsyev_batched|syevd forces
-// a routine (syevj only applies to n <= 32, xsyev_batched only where compiled
+// a routine (syevj only applies to n <= N, xsyev_batched only where compiled
 // in; otherwise it falls back to the automatic choice) so tests and benchmarks
 // can exercise every path. KAISA_XSYEV_MAX_ELEMENTS=N lowers the XsyevBatched
 // element limit below INT32_MAX (never raises it), so tests reach the chunking at
@@ -23,8 +24,8 @@
 // Like torch.linalg.eigh (UPLO='L'), only the lower triangle of each row-major
 // matrix is read: it is the upper triangle of the column-major matrix cuSOLVER
 // sees. Every cuSOLVER status is checked; the per-matrix `info` codes and a
-// finiteness check of the eigenvalues are copied back with one
-// synchronisation, and any failure raises torch.linalg.LinAlgError (a
+// finiteness check of the eigenvalues and eigenvectors are copied back with one
+// synchronisation (the op's only one), and any failure raises torch.linalg.LinAlgError (a
 // RuntimeError) so the Python layer can retry in float64.
 #include "common.cuh"
 
@@ -50,7 +51,11 @@
 namespace kaisa::cuda {
 namespace {
 
-constexpr int64_t kSyevjMaxN = 32;     // limit of the syevjBatched API
+// syevjBatched accepts any n (cuSOLVER documents no size limit for it); its cost
+// grows much faster with n than syevd's, so above some n the other routines are
+// faster. 32 is that knee as an estimate, not a measured value: a GPU benchmark
+// sets KAISA_SYEVJ_MAX_N (see syevj_max_n) to find it.
+constexpr int64_t kSyevjMaxN = 32;
 constexpr int kMaxSyevdStreams = 4;    // streams for the per-matrix fallback
 constexpr cusolverEigMode_t kJobz = CUSOLVER_EIG_MODE_VECTOR;
 // Column-major upper == row-major lower (torch.linalg.eigh's default UPLO).
@@ -81,6 +86,19 @@ EighImpl requested_impl() {
               "or syevd, got '", env, "'");
 }
 
+// The largest n decomposed by syevjBatched in the automatic choice (and allowed
+// for KAISA_EIGH_IMPL=syevj): kSyevjMaxN, or KAISA_SYEVJ_MAX_N=N (0 never uses it).
+int64_t syevj_max_n() {
+  const char* env = std::getenv("KAISA_SYEVJ_MAX_N");
+  if (env == nullptr || *env == '\0') return kSyevjMaxN;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && v >= 0 && v <= std::numeric_limits<int>::max(),
+              "kaisa::batched_eigh: KAISA_SYEVJ_MAX_N must be a non-negative integer, got '",
+              env, "'");
+  return v;
+}
+
 // cuSOLVER documents n * lda * batchSize <= INT32_MAX for one XsyevBatched
 // call (a group of more than 127 factors at n = 4096 exceeds it): the batch is
 // decomposed in chunks of at most this many matrices (0: not even one fits).
@@ -100,10 +118,11 @@ int64_t xsyev_chunk(int64_t n) {
 EighImpl choose_impl(int64_t batch, int64_t n) {
   const EighImpl req = requested_impl();
   const bool xsyev = KAISA_HAS_XSYEV_BATCHED && xsyev_chunk(n) >= 1;
-  if (req == EighImpl::kSyevj && n <= kSyevjMaxN) return req;
+  const bool syevj = n <= syevj_max_n();
+  if (req == EighImpl::kSyevj && syevj) return req;
   if (req == EighImpl::kSyevd) return req;
   if (req == EighImpl::kXsyevBatched && xsyev) return req;
-  if (n <= kSyevjMaxN) return EighImpl::kSyevj;
+  if (syevj) return EighImpl::kSyevj;
   if (batch > 1 && xsyev) return EighImpl::kXsyevBatched;
   return EighImpl::kSyevd;
 }
@@ -339,7 +358,8 @@ std::string describe_failure(EighImpl impl, int64_t b, int code, bool finite) {
          << code << ")";
     }
   } else if (!finite) {
-    ss << "non-finite eigenvalues (input contains NaN/Inf or is badly conditioned)";
+    ss << "non-finite eigenvalues or eigenvectors (input contains NaN/Inf or is badly "
+          "conditioned)";
   }
   return ss.str();
 }
@@ -371,9 +391,13 @@ void eigh_impl(at::Tensor& vecs_cm, at::Tensor& vals, EighImpl impl) {
       break;
   }
 
-  // One device->host copy (one sync): info codes and a per-matrix
-  // "eigenvalues not finite" flag.
-  const at::Tensor nonfinite = at::isfinite(vals).logical_not().any(-1).to(at::kInt);
+  // The only device->host copy (the op's one host synchronisation): the info
+  // codes and a per-matrix "eigenvalues or eigenvectors not finite" flag. The
+  // results are thereby checked completely, so kaisa.linalg does not check them
+  // again (kaisa.ops.eigh_checks_finite).
+  const at::Tensor finite =
+      at::isfinite(vals).all(-1).logical_and(at::isfinite(vecs_cm).flatten(1).all(-1));
+  const at::Tensor nonfinite = finite.logical_not().to(at::kInt);
   const at::Tensor status = at::cat({info, nonfinite}).cpu();
   const int* st = status.const_data_ptr<int>();
   int failed = 0;

@@ -75,19 +75,26 @@ void gemm_rm(cublasHandle_t h, bool ta, bool tb, int m, int n, int k, const T* a
 }
 
 // v[b][i][j] /= dg[b][i] * da[b][j] + damping; v (B, m, n), dg (B, m) and
-// da (B, n) contiguous.
+// da (B, n) contiguous. gridDim.y strides over the batch, the threads of
+// gridDim.x over the m * n elements of one matrix, fewer than 2^31
+// (check_eigen_precondition_args): the per-element index math is 32-bit, one
+// unsigned division for the row, the 64-bit batch offsets once per matrix.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     divide_kernel(T* __restrict__ v, const T* __restrict__ dg, const T* __restrict__ da,
-                  const int64_t total, const int m, const int n, const T damping) {
-  const int64_t mn = static_cast<int64_t>(m) * n;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t b = e / mn;
-    const int64_t r = e - b * mn;
-    const int64_t i = r / n;
-    const int64_t j = r - i * n;
-    v[e] = v[e] / (dg[b * m + i] * da[b * n + j] + damping);
+                  const int batch, const int m, const int n, const T damping) {
+  const unsigned mn = static_cast<unsigned>(m) * static_cast<unsigned>(n);
+  const unsigned un = static_cast<unsigned>(n);
+  const unsigned step = gridDim.x * blockDim.x;  // e + step < 2^32: e < 2^31, step < 2^31
+  for (int b = blockIdx.y; b < batch; b += gridDim.y) {
+    T* vb = v + static_cast<int64_t>(b) * mn;
+    const T* dgb = dg + static_cast<int64_t>(b) * m;
+    const T* dab = da + static_cast<int64_t>(b) * n;
+    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < mn; e += step) {
+      const unsigned i = e / un;
+      const unsigned j = e - i * un;
+      vb[e] = vb[e] / (dgb[i] * dab[j] + damping);
+    }
   }
 }
 
@@ -137,16 +144,21 @@ void precondition_impl(const at::Tensor& g, const at::Tensor& qa, const at::Tens
   gemm_rm<T>(h, false, false, m, n, n, Tp, mn, QA, sqa, O, mn, batch);                // o = t QA
 
   const int64_t total = mn * batch;
-  const int64_t want = ceil_div<int64_t>(total, kThreads);
-  const int blocks = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(want, static_cast<int64_t>(sm_count()) * 8)));
+  const int64_t max_blocks = static_cast<int64_t>(sm_count()) * 8;
   if (dgda != nullptr) {
+    const int blocks = static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(total, kThreads), max_blocks)));
     multiply_kernel<T><<<blocks, kThreads, 0, stream>>>(O, dgda->const_data_ptr<T>(), total);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
-    divide_kernel<T><<<blocks, kThreads, 0, stream>>>(O, dg->const_data_ptr<T>(),
-                                                       da->const_data_ptr<T>(), total, m, n,
-                                                       static_cast<T>(damping));
+    // About max_blocks blocks in all: matrices over y, each matrix's elements over x.
+    const int64_t gy = std::min<int64_t>(batch, 65535);
+    const int64_t gx = std::max<int64_t>(
+        1, std::min(ceil_div<int64_t>(mn, kThreads), ceil_div<int64_t>(max_blocks, gy)));
+    const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+    divide_kernel<T><<<grid, kThreads, 0, stream>>>(O, dg->const_data_ptr<T>(),
+                                                     da->const_data_ptr<T>(), batch, m, n,
+                                                     static_cast<T>(damping));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 

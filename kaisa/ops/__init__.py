@@ -59,6 +59,7 @@ __all__ = [
     "cuda_kernels_error",
     "eigen_precondition",
     "eigh",
+    "eigh_checks_finite",
     "extension_available",
     "extension_error",
     "kernels",
@@ -277,10 +278,29 @@ def eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t = _check_float_tensor(a, "a", (2, 3))
     if t.shape[-1] != t.shape[-2]:
         raise ValueError(f"a must hold square matrices, got shape {tuple(t.shape)}")
-    if t.dtype in (torch.float32, torch.float64) and _use_ext("batched_eigh", t.device):
+    if _eigh_on_ext(t):
         vals, vecs = torch.ops.kaisa.batched_eigh(t)
         return vals, vecs
     return _reference.eigh(t)
+
+
+def eigh_checks_finite(a: torch.Tensor) -> bool:
+    """Whether :func:`eigh` of ``a`` raises unless its results are finite.
+
+    True where the CUDA kernel of ``kaisa::batched_eigh`` runs: it checks the solver's
+    ``info`` and the finiteness of every eigenvalue and eigenvector on the device, in its
+    one host synchronisation, and raises :class:`torch.linalg.LinAlgError` otherwise
+    (``csrc/SCHEMAS.md``), so a caller's own check would only add a second
+    synchronisation. The CPU kernel and the reference make no such promise.
+
+    Args:
+        a: the (batch of) matrices :func:`eigh` is given.
+    """
+    return a.device.type == "cuda" and _eigh_on_ext(a)
+
+
+def _eigh_on_ext(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float32, torch.float64) and _use_ext("batched_eigh", t.device)
 
 
 @_fake("batched_eigh")

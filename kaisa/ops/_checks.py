@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+_INT32_MAX = 2**31 - 1
+
 
 def _check_tensor(t: object, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -93,6 +95,11 @@ def _check_eigen_args(
     q = _check_float_tensor(qg, "qg", (nd,))
     m, n = g.shape[-2], g.shape[-1]
     lead = (g.shape[0],) if batched else ()
+    if m * n > _INT32_MAX or (batched and g.shape[0] > _INT32_MAX):
+        raise ValueError(
+            "grad must have at most 2^31 - 1 elements per matrix (m * n) and at most 2^31 - 1 "
+            f"matrices (the kernels' 32-bit limits), got shape {tuple(g.shape)}"
+        )
     if tuple(q.shape) != (*lead, m, m):
         raise ValueError(
             f"qg must have shape {(*lead, m, m)} for grad of shape {tuple(g.shape)}, "

@@ -25,7 +25,7 @@ from pathlib import Path
 from tests.simt.build import CSRC_ENV, ROOT, asan_runtime
 
 WORK = ROOT / "build" / "simt-mutant-src" / "csrc"
-TESTS = ["tests/test_cuda_ops.py", "tests/test_simt.py"]
+TESTS = ["tests/test_cuda_ops.py", "tests/test_cuda_host_work.py", "tests/test_simt.py"]
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,19 @@ MUTATIONS = [
              "static_cast<unsigned>(ih) <= static_cast<unsigned>(g.H)",
              "conv gather reads input row ih == H instead of zero padding"),
     Mutation("bound-elementwise", "off-by-one bound", "cuda/precondition.cu",
-             "const int64_t mn = static_cast<int64_t>(m) * n;\n  for (int64_t e = blockIdx.x * "
-             "static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;",
-             "const int64_t mn = static_cast<int64_t>(m) * n;\n  for (int64_t e = blockIdx.x * "
-             "static_cast<int64_t>(blockDim.x) + threadIdx.x; e <= total;",
-             "divide_kernel processes element e == total (one past the end)"),
+             "e < mn; e += step)", "e <= mn; e += step)",
+             "divide_kernel processes element e == m * n (one past the matrix)"),
+    Mutation("stride-batch", "wrong stride", "cuda/precondition.cu",
+             "const T* dab = da + static_cast<int64_t>(b) * n;",
+             "const T* dab = da + static_cast<int64_t>(b) * m;",
+             "divide_kernel steps over da's batch by m instead of n"),
+    Mutation("bound-direct", "off-by-one bound", "cuda/covariance.cu",
+             "if (j >= g.d) continue;\n        const scalar_t v", "if (j > g.d) continue;\n"
+             "        const scalar_t v",
+             "gram_tile_kernel without split-K writes column j == d of the output"),
+    Mutation("no-mirror", "missing write", "cuda/covariance.cu",
+             "        if (!diag) o[static_cast<int64_t>(j) * g.d + i] = v;\n", "",
+             "gram_tile_kernel without split-K never writes the lower triangle"),
     Mutation("stride-rows", "wrong stride", "cuda/covariance.cu",
              "x[r * g.d_data + col]", "x[r * g.d + col]",
              "linear gather uses d (with the bias column) as the row stride of x"),

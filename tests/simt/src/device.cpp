@@ -30,6 +30,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -148,6 +149,8 @@ class Redirect {
     if (v.isTensor()) {
       const at::Tensor t = v.toTensor();
       if (!t.defined()) return;
+      if (!seen_tensor_) first_on_host_ = !t.is_cuda();
+      seen_tensor_ = true;
       if (t.is_cuda()) {
         at::Tensor h = host_view(t);
         swaps_.push_back(Swap{t, h, h.storage().data()});
@@ -217,6 +220,18 @@ class Redirect {
     }
   }
 
+  // Whether the op reads device memory into host memory, which blocks the host until
+  // the device is done on a GPU: a device tensor copied to an explicit cpu target
+  // (.cpu(), .to("cpu"), .tolist()) or into a host tensor (copy_), or a scalar read
+  // (.item(), bool(), int()).
+  bool to_host_copy() const {
+    if (swaps_.empty()) return false;
+    const std::string& name = op_.schema().name();
+    if (name == "aten::_local_scalar_dense") return true;
+    if (name == "aten::copy_") return first_on_host_;  // copy_(self=host, src=device)
+    return name == "aten::_to_copy" && target_.has_value() && target_->is_cpu();
+  }
+
   void check_storages() const {
     for (const Swap& s : swaps_) {
       TORCH_CHECK(s.host.storage().data() == s.data, "simt: ", op_.schema().name(),
@@ -230,7 +245,18 @@ class Redirect {
   std::vector<at::Tensor> host_inputs_;
   std::vector<const c10::TensorImpl*> inputs_;
   std::optional<c10::Device> target_;
+  bool seen_tensor_ = false;
+  bool first_on_host_ = false;  // the op's first tensor argument is a host tensor
 };
+
+// "dtype=Float shape=[2, 3]" of a fresh tensor, for the allocation log.
+std::string describe(const c10::IValue& v) {
+  if (!v.isTensor()) return "?";
+  const at::Tensor& t = v.toTensor();
+  std::ostringstream ss;
+  ss << "dtype=" << t.scalar_type() << " shape=" << t.sizes();
+  return ss.str();
+}
 
 void redirect(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/,
               torch::jit::Stack* stack) {
@@ -244,6 +270,8 @@ void redirect(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/,
   r.check_storages();
   const bool poison = poisoned_ops().count(schema.name()) > 0;
   const size_t nret = schema.returns().size();
+  if (poison) log_call("alloc " + describe((*stack)[stack->size() - nret]));
+  if (r.to_host_copy()) log_call("sync " + schema.name() + " (device to host)");
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) r.to_device((*stack)[i], poison);
 }
 

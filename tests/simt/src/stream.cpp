@@ -264,11 +264,13 @@ cudaError_t cudaSetDevice(int d) {
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
+  simt::log_call("sync cudaDeviceSynchronize");
   simt::drain_device(simt::current_device());
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  simt::log_call("sync cudaStreamSynchronize");
   simt::drain(stream);
   return cudaSuccess;
 }
@@ -305,6 +307,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (event == nullptr) return cudaErrorInvalidResourceHandle;
+  simt::log_call("sync cudaEventSynchronize");
   if (event->recorded) simt::run_until(event->stream, event->seq);
   return cudaSuccess;
 }

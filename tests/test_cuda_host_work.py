@@ -1,0 +1,265 @@
+"""What the CUDA ops' host code costs: host synchronisations, workspaces, size limits.
+
+The emulator (tests/simt) logs every blocking device-to-host read (``sync ...``: a
+``.cpu()``, ``.tolist()``, ``.item()``, a stream / event / device synchronisation) and
+every fresh device allocation (``alloc dtype=... shape=...``) next to its kernel
+launches and library calls, so these tests count them. On a GPU they are skipped
+where they need the log.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kaisa.ops as ops
+from kaisa import linalg
+from kaisa.ops import _reference as ref
+from tests.support.backends import Backend, backend_params, load
+from tests.test_cuda_ops import _assert_close_rel, _check_eigh, _rand, _runs, _spd_batch
+
+
+@pytest.fixture(scope="module", params=backend_params())
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return load(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def _log(prefix: str) -> list[str]:
+    return [e for e in torch.ops.simt.launch_log() if e.startswith(prefix)]
+
+
+def _emulated_only(backend: Backend) -> None:
+    if not backend.emulated:
+        pytest.skip("counts entries of the emulator's log")
+
+
+# --------------------------------------------------------------------------- #
+# batched_eigh: one host synchronisation, and kaisa.linalg adds none
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("impl,n,batch", [("syevj", 8, 3), ("xsyev_batched", 40, 3),
+                                          ("syevd", 40, 3), ("syevd", 40, 1)])
+def test_batched_eigh_synchronises_once(
+    backend: Backend, impl: str, n: int, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _emulated_only(backend)
+    monkeypatch.setenv("KAISA_EIGH_IMPL", impl)
+    a = _spd_batch(batch, n, torch.float64)
+    ad = backend.to_device(a)
+    torch.ops.simt.synchronize()
+    torch.ops.simt.clear_launch_log()
+    vals, vecs = backend.ops().batched_eigh(ad)
+    assert len(_log("sync")) == 1, torch.ops.simt.launch_log()
+    _check_eigh(a, vals.cpu(), vecs.cpu())
+
+
+@pytest.fixture
+def emulated_ext(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``kaisa.ops`` sends emulated device tensors to the emulated CUDA kernels."""
+    _emulated_only(backend)
+    monkeypatch.setattr(ops, "_use_ext", lambda op, device: True)
+    monkeypatch.setattr(torch.ops.kaisa, "batched_eigh", torch.ops.kaisa_simt.batched_eigh)
+    yield
+
+
+@pytest.mark.usefixtures("emulated_ext")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_eigen_decompositions_synchronise_once_per_size_group(
+    backend: Backend, dtype: torch.dtype
+) -> None:
+    """The op's own finiteness check is the only one: kaisa.linalg does not repeat it."""
+    host = [_spd_batch(2, 40, dtype), _spd_batch(1, 40, dtype), _spd_batch(3, 8, dtype)]
+    factors = [backend.to_device(f) for f in host]
+    torch.ops.simt.synchronize()
+    torch.ops.simt.clear_launch_log()
+    results = linalg.eigen_decompositions(factors, inv_dtype=dtype)
+    assert len(_log("sync")) == 2, _log("sync")  # two size groups (n = 40, n = 8)
+    for f, res in zip(host, results, strict=True):
+        assert res is not None
+        _check_eigh(f, res.eigenvalues.cpu(), res.eigenvectors.cpu())
+
+
+@pytest.mark.usefixtures("emulated_ext")
+def test_eigen_decompositions_still_isolate_a_failing_factor(backend: Backend) -> None:
+    """Skipping the Python re-check keeps the fallback: the op raises, the group is split."""
+    good = _spd_batch(2, 40, torch.float32)
+    bad = _spd_batch(1, 40, torch.float32)
+    bad[0, 3, 2] = bad[0, 2, 3] = math.nan
+    factors = [backend.to_device(good), backend.to_device(bad)]
+    results = linalg.eigen_decompositions(factors, inv_dtype=torch.float32)
+    assert results[1] is None
+    assert results[0] is not None
+    _check_eigh(good, results[0].eigenvalues.cpu(), results[0].eigenvectors.cpu())
+
+
+def test_only_the_cuda_kernel_promises_finite_eigh_results() -> None:
+    """Elsewhere kaisa.linalg checks the results itself."""
+    a = _spd_batch(2, 6, torch.float64)
+    for name in ops.BACKENDS:
+        with ops.use_backend(name):
+            assert not ops.eigh_checks_finite(a)
+            assert not ops.eigh_checks_finite(a.to(torch.float16))
+
+
+@pytest.mark.usefixtures("emulated_ext")
+def test_the_cuda_kernel_promises_finite_eigh_results(backend: Backend) -> None:
+    a = backend.to_device(_spd_batch(2, 6, torch.float64))
+    assert ops.eigh_checks_finite(a)
+
+
+# --------------------------------------------------------------------------- #
+# KAISA_SYEVJ_MAX_N: where syevjBatched stops (a performance knee, not an API limit)
+# --------------------------------------------------------------------------- #
+
+
+def _routines() -> list[str]:
+    names = ("syevjBatched", "XsyevBatched", "syevd")
+    return [e.split()[0] for e in torch.ops.simt.launch_log() if e.split()[0] in names]
+
+
+@pytest.mark.parametrize("limit,n,routine", [(None, 20, "syevjBatched"),
+                                             ("16", 20, "XsyevBatched"),
+                                             ("16", 16, "syevjBatched"),
+                                             ("0", 5, "XsyevBatched")])
+def test_syevj_max_n_is_settable(
+    backend: Backend, limit: str | None, n: int, routine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if limit is None:
+        monkeypatch.delenv("KAISA_SYEVJ_MAX_N", raising=False)
+    else:
+        monkeypatch.setenv("KAISA_SYEVJ_MAX_N", limit)
+    a = _spd_batch(3, n, torch.float64)
+    for vals, vecs in _runs(backend, lambda: backend.ops().batched_eigh(backend.to_device(a))):
+        _check_eigh(a, vals, vecs)
+    if backend.emulated:
+        assert set(_routines()) == {routine}
+
+
+def test_syevj_max_n_must_be_a_count(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAISA_SYEVJ_MAX_N", "-1")
+    with pytest.raises(RuntimeError, match="KAISA_SYEVJ_MAX_N"):
+        backend.ops().batched_eigh(backend.to_device(_spd_batch(2, 8, torch.float32)))
+
+
+# --------------------------------------------------------------------------- #
+# covariance: the split-K workspace only when the rows are split
+# --------------------------------------------------------------------------- #
+
+
+def _workspaces() -> list[str]:
+    """Allocations of four dimensions: the [split][group][d][d] partial tiles."""
+    return [e for e in _log("alloc") if e.split("shape=[")[1].count(",") == 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("conv", [False, True])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_covariance_workspace_only_when_split(
+    backend: Backend, sms: int, conv: bool, dtype: torch.dtype
+) -> None:
+    _emulated_only(backend)
+    previous = torch.ops.simt.set_sm_count(sms)
+    try:
+        if conv:
+            x = _rand((2, 16, 30, 30), dtype)  # d = 145: 6 tile pairs
+            args = ([3, 3], [1, 1], [1, 1], [1, 1], 1, True, 0.5)
+            got = _runs(backend, lambda: backend.ops().conv_covariance(backend.to_device(x),
+                                                                       *args))
+            expected = ref.conv_covariance(x.double(), (3, 3), (1, 1), (1, 1), (1, 1), 1, True,
+                                           0.5)
+        else:
+            x = _rand((3000, 200), dtype)  # d = 201: 10 tile pairs
+            got = _runs(backend, lambda: backend.ops().covariance(backend.to_device(x), 0.5,
+                                                                  True))
+            expected = ref.covariance(x.double(), 0.5, bias=True)
+        (grid,) = backend.launches("gram_tile_kernel")
+        split = grid[2] > 1
+        workspaces = _workspaces()
+        finalized = backend.launches("finalize_kernel")
+    finally:
+        torch.ops.simt.set_sm_count(previous)
+    assert split == (sms == 132), grid
+    if split:
+        assert len(workspaces) == 1 and f"shape=[{grid[2]}," in workspaces[0], workspaces
+        assert len(finalized) == 1
+    else:
+        assert workspaces == [] and finalized == [], (workspaces, finalized)
+    for out in got:
+        assert torch.equal(out, out.mT)
+        _assert_close_rel(out, expected, dtype)
+
+
+# --------------------------------------------------------------------------- #
+# eigen_precondition: the documented 32-bit limits, checked for every backend
+# --------------------------------------------------------------------------- #
+
+
+def _huge_operands() -> tuple[torch.Tensor, ...]:
+    """A (65536, 32768) gradient, 2^31 elements, as stride-0 views of one element."""
+    m, n = 1 << 16, 1 << 15
+    one = torch.ones((), dtype=torch.float16)
+    return (one.expand(m, n), one.expand(n, n), one.expand(m, m), one.expand(n), one.expand(m))
+
+
+def test_eigen_precondition_rejects_more_than_2_31_elements_per_matrix(backend: Backend) -> None:
+    """The kernel's element index is 32-bit: the shared argument check rejects bigger ones."""
+    grad, qa, qg, da, dg = (backend.to_device(t) for t in _huge_operands())
+    with pytest.raises(RuntimeError, match=r"at most 2\^31 - 1 elements per matrix"):
+        backend.ops().eigen_precondition(grad, qa, qg, da, dg, None, 0.1)
+
+
+def test_eigen_precondition_cpu_kernel_shares_the_limit() -> None:
+    if not ops.extension_available():
+        pytest.skip("kaisa._C did not load")
+    with pytest.raises(RuntimeError, match=r"at most 2\^31 - 1 elements per matrix"):
+        torch.ops.kaisa.eigen_precondition(*_huge_operands(), None, 0.1)
+
+
+def test_eigen_precondition_wrapper_rejects_more_than_2_31_elements_per_matrix() -> None:
+    grad, qa, qg, da, dg = (t.to("meta") for t in _huge_operands())
+    for name in ops.BACKENDS:
+        with ops.use_backend(name), pytest.raises(ValueError, match=r"2\^31 - 1 elements"):
+            ops.eigen_precondition(grad, qa, qg, da=da, dg=dg, damping=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sms", [1, 132])
+@pytest.mark.parametrize("dims", [(3, 64, 65), (12, 5, 3), (1, 300, 301), (70, 1, 9)])
+def test_eigen_precondition_division_grid(
+    backend: Backend, dims: tuple[int, int, int], sms: int, dtype: torch.dtype
+) -> None:
+    """The division kernel's grid (matrices over y, elements over x) at odd shapes.
+
+    One SM (8 blocks) makes every block loop over several matrices' elements.
+    """
+    b, m, n = dims
+    grad = _rand((b, m, n), dtype)
+    qa = torch.linalg.qr(torch.randn(b, n, n, dtype=torch.float64))[0].to(dtype)
+    qg = torch.linalg.qr(torch.randn(b, m, m, dtype=torch.float64))[0].to(dtype)
+    da = torch.rand(b, n).to(dtype)
+    dg = torch.rand(b, m).to(dtype)
+    expected = ref.eigen_precondition(grad.double(), qa.double(), qg.double(), da.double(),
+                                      dg.double(), None, 0.03)
+    dev = backend.to_device
+    previous = torch.ops.simt.set_sm_count(sms) if backend.emulated else 0
+    try:
+        runs = _runs(backend, lambda: backend.ops().eigen_precondition(
+            dev(grad), dev(qa), dev(qg), dev(da), dev(dg), None, 0.03))
+    finally:
+        if backend.emulated:
+            torch.ops.simt.set_sm_count(previous)
+    tol = {torch.float64: 1e-10, torch.float32: 5e-5, torch.bfloat16: 5e-2,
+           torch.float16: 1e-2}[dtype]
+    scale = max(expected.abs().max().item(), 1e-30)
+    for out in runs:
+        assert out.shape == grad.shape and out.dtype == dtype
+        assert (out.double() - expected).abs().max().item() <= tol * scale
