@@ -11,7 +11,7 @@ optimizers and preconditioners, load the checkpoint and train the same ``N`` ste
   the steps after loading use decompositions computed from older factors than the saved
   ones: recomputing them on load would not be bit-exact (EKFAC's moments exist only in
   the checkpoint);
-* at another world size (one rank, or four: ``slow``) the run continues as the
+* at another world size (one rank, or four on a 1-D or a 2 x 2 HSDP mesh: ``slow``) the run continues as the
   uninterrupted one up to the order of float sums (``rtol=1e-8``, as ``tests/test_fsdp.py``
   compares ranks with one process): each rank's loss is scaled so its output gradients
   are those of the 2-rank run (``tests/test_fsdp.py``'s construction) and the gradients
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -63,15 +64,19 @@ def _per_rank(cfg: dict[str, Any]) -> int:
 
 
 def _build(cfg: dict[str, Any], *, seed: int = 0, wide: bool = False,
+           hsdp: tuple[int, int] | None = None,
            ) -> tuple[nn.Module, torch.optim.Optimizer, kaisa.KFACPreconditioner | None]:
-    """The sharded model, its optimizer and preconditioner (``wide``: fc1 of another size)."""
+    """The sharded model, its optimizer and preconditioner (``wide``: fc1 of another size;
+    ``hsdp``: on a ``(replicate, shard)`` mesh of that shape)."""
     torch.manual_seed(seed)
     model = Net().double()
     if wide:
         model.fc1, model.fc2 = nn.Linear(48, 9).double(), nn.Linear(9, 5).double()
+    mesh = None if hsdp is None else init_device_mesh("cpu", hsdp,
+                                                      mesh_dim_names=("replicate", "shard"))
     for layer in (model.conv, model.fc1, model.fc2):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     if cfg["product"] == "ekfac":
         opt = kaisa.EKFAC(model, lr=1e-2, eps=1e-6, weight_decay=0.1, basis_update_steps=3,
                           basis_refresh="qr", grad_worker_fraction=cfg["strategy"])
@@ -136,13 +141,14 @@ def _uninterrupted(rank: int, world: int, root: str) -> list[dict[str, Any]]:
     return out
 
 
-def _resumed(rank: int, world: int, root: str) -> dict[str, Any]:
+def _resumed(rank: int, world: int, root: str,
+             hsdp: tuple[int, int] | None = None) -> dict[str, Any]:
     """Fresh objects (other initial weights) load each checkpoint and train N steps; at
     the saving world size, first the bad checkpoints' errors (:func:`_refusals`)."""
     errors = _refusals(root) if world == SAVE_WORLD else []
     params = []
     for i, cfg in enumerate(CONFIGS):
-        model, opt, pre = _build(cfg, seed=1)
+        model, opt, pre = _build(cfg, seed=1, hsdp=hsdp)
         checkpoint.load(_path(root, i), model, opt, pre)
         _train(cfg, model, opt, pre, range(K, K + N), rank, world)
         params.append(_params(model))
@@ -223,11 +229,14 @@ def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dcp_checkpoint_of_two_ranks_loads_on_four(tmp_path: Any) -> None:
-    """Saved at 2 ranks, loaded at 4 (the placement re-placed: MEM-OPT's owners move)."""
+@pytest.mark.parametrize("hsdp", [None, (2, 2)])
+def test_dcp_checkpoint_of_two_ranks_loads_on_four(tmp_path: Any,
+                                                   hsdp: tuple[int, int] | None) -> None:
+    """Saved at 2 ranks, loaded at 4 (the placement re-placed: MEM-OPT's owners move), on
+    a 1-D mesh and on a 2 x 2 HSDP mesh (each shard replicated twice)."""
     root = str(tmp_path)
     ref = run_distributed(_uninterrupted, SAVE_WORLD, root, timeout=150.0)
-    four = run_distributed(_resumed, 4, root, timeout=240.0)
+    four = run_distributed(_resumed, 4, root, hsdp, timeout=240.0)
     for i, cfg in enumerate(CONFIGS):
         for rank_results in four:
             for want, got in zip(ref[0][i]["params"], rank_results["params"][i], strict=True):
