@@ -329,9 +329,16 @@ def load(
     # The K-FAC part first, into new buffers: checked before anything else is touched.
     kfac: dict[str, Any] = {"meta": None, "layers": _layers_template(core, saved)}
     dcp_load({"kfac": kfac}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
-    counters = _check_meta(owner, kfac["meta"])
     layers = kfac["layers"]
-    core.check_state_dict(layers)
+    try:
+        counters, error = _check_meta(owner, kfac["meta"]), None
+        core.check_state_dict(layers)
+    except ValueError as err:
+        error = str(err)
+    # A rank may read entries another does not (its gradient-worker blocks): all or none.
+    if core.any_rank(error is not None):
+        raise ValueError(error or "kaisa.checkpoint: another rank refused the checkpoint's "
+                         "K-FAC state (see its error); nothing was loaded")
     rest: dict[str, Any] = {"model": get_model_state_dict(model),
             "optim": (_ekfac_optim_template(model, optimizer, saved) if isinstance(optimizer, EKFAC)
                       else get_optimizer_state_dict(model, optimizer))}

@@ -163,6 +163,7 @@ def _refusals(root: str) -> list[str]:
         ("cfg2", CONFIGS[0], False),  # an EKFAC checkpoint into a preconditioner
         ("cfg0", CONFIGS[2], False),  # a preconditioner's into EKFAC
         ("plain", CONFIGS[0], False),  # no K-FAC part
+        ("cfg0", {**CONFIGS[0], "method": "inverse"}, False),  # eigen's state into inverse
     ]
     for name, cfg, wide in cases:
         model, opt, pre = _build(cfg, seed=1, wide=wide)
@@ -220,7 +221,8 @@ def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) 
         for want, got in zip(ref[0][i]["params"], one[i], strict=True):
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=str(cfg))
     for rank_results in resumed:
-        sizes, ekfac_into_pre, pre_into_ekfac, plain = rank_results["errors"]
+        sizes, ekfac_into_pre, pre_into_ekfac, plain, method = rank_results["errors"]
+        assert "unexpected entries" in method and "another compute_method" in method, method
         assert "do not match this model's" in sizes and "'fc1'" in sizes, sizes
         assert "of a kaisa.EKFAC, not of a kaisa.KFACPreconditioner" in ekfac_into_pre
         assert "of a kaisa.KFACPreconditioner, not of a kaisa.EKFAC" in pre_into_ekfac
