@@ -206,7 +206,7 @@ def _layers_template(core: KFACCurvature, saved: Mapping[str, STORAGE_TYPES]
 # ---------------------------------------------------------------------- EKFAC's AdamW part
 def _fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The model's name of every optimizer parameter, in the optimizer's order."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied one: its first name
     try:
         return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     except KeyError:
