@@ -9,7 +9,7 @@ Quickstart::
 
 from __future__ import annotations
 
-from kaisa import ops
+from kaisa import checkpoint, ops
 from kaisa.blocks import KFACLayer
 from kaisa.config import KFACConfig
 from kaisa.ekfac import EKFAC, BasisRefresh
@@ -33,6 +33,7 @@ __all__ = [
     "KFACLayer",
     "KFACPreconditioner",
     "LambdaParamScheduler",
+    "checkpoint",
     "ops",
 ]
 

@@ -274,7 +274,9 @@ class EKFAC(torch.optim.Optimizer):
         return self.curvature.coverage()
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, *, gather: bool = False) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(  # type: ignore[override]
+        self, *, gather: bool = False, include_factors: bool = True
+    ) -> dict[str, Any]:
         """The optimizer state of torch, and the curvature's under ``'kaisa'``.
 
         torch's part holds AdamW's state per parameter (the step counts only, for a
@@ -285,11 +287,15 @@ class EKFAC(torch.optim.Optimizer):
             gather: Also the bases and moments this rank does not hold (MEM-OPT,
                 HYBRID-OPT): a collective, call it on every rank (``docs/conventions.md``,
                 "Checkpoints").
+            include_factors: Include the per-block state (``'layers'``); without it
+                ``'kaisa'`` holds the counters and schedules only (:mod:`kaisa.checkpoint`
+                saves the blocks itself).
         """
         state = super().state_dict()
         state["kaisa"] = {"steps": self.steps, "refreshes": self.refreshes,
-                          **self._schedules.state_dict(),
-                          "layers": self.curvature.state_dict(gather=gather)}
+                          **self._schedules.state_dict()}
+        if include_factors:
+            state["kaisa"]["layers"] = self.curvature.state_dict(gather=gather)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
