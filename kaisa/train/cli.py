@@ -293,6 +293,12 @@ def _resume_states(
     states: list[dict[str, Any] | None] = []
     for spec, config in zip(specs, configs, strict=True):
         path = run_dir / _checkpoint_name(spec, len(specs), config.fsdp)
+        other = run_dir / _checkpoint_name(spec, len(specs), not config.fsdp)
+        if config.resume and not path.exists() and other.exists():
+            flag = "without" if config.fsdp else "with"
+            raise checkpoint.CheckpointError(
+                f"cannot resume from {other}: written by a run {flag} --fsdp (resume {flag} "
+                "--fsdp)")
         if not (config.resume and path.exists()):
             states.append(None)
             continue
