@@ -114,11 +114,8 @@ def _load_data(options: argparse.Namespace, world_size: int) -> Dataset:
 def _check(config: argparse.Namespace, data: Dataset) -> None:
     """Build the optimiser and preconditioner once so bad values fail before training."""
     model = model_for(config, data)
-    if config.fsdp and config.optimizer == "kfac":
-        raise UsageError(
-            f"configuration {config.label!r}: kaisa.KFAC (--optimizer kfac) does not support "
-            "FSDP2 yet (it refuses sharded models); with --fsdp use sgd+kfac, adamw+kfac or "
-            "ekfac, or drop --fsdp")
+    if (why := sharded.check_config(config)) is not None:
+        raise UsageError(f"configuration {config.label!r}: {why}")
     try:
         if config.optimizer == "kfac":
             if config.accumulation_steps != 1:

@@ -46,7 +46,7 @@ import kaisa.checkpoint
 from kaisa.train import checkpoint
 from kaisa.train.distributed import DistContext
 
-__all__ = ["TRAINER_FILE", "check_options", "load", "read", "save", "shard"]
+__all__ = ["TRAINER_FILE", "check_config", "check_options", "load", "read", "save", "shard"]
 
 #: The file of a checkpoint directory that holds the trainer's own state.
 TRAINER_FILE = "trainer.pt"
@@ -75,6 +75,14 @@ def check_options(options: argparse.Namespace, world_size: int, launched: bool) 
                 f"({world_size})")
     if options.accumulation_steps != 1:
         return "--fsdp does not support --accumulation-steps > 1 yet"
+    return None
+
+
+def check_config(config: argparse.Namespace) -> str | None:
+    """Why configuration ``config`` (one of ``--compare``) cannot run under ``--fsdp``."""
+    if config.fsdp and config.optimizer == "kfac":
+        return ("kaisa.KFAC (--optimizer kfac) does not support FSDP2 yet (it refuses "
+                "sharded models); with --fsdp use sgd+kfac, adamw+kfac or ekfac, or drop --fsdp")
     return None
 
 
