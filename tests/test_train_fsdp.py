@@ -5,7 +5,8 @@
   K-FAC factors and decompositions; the metrics); refusals (kaisa.KFAC, no torchrun, a
   ``--replicate`` that does not divide the world, a DDP checkpoint under ``--fsdp``).
 * slow: EKFAC and plain SGD likewise; a checkpoint of 2 ranks resumed at 1 rank; HSDP
-  (``--replicate 2``) equals the 1-D mesh up to float rounding.
+  (``--replicate 2`` at 4 ranks) equals the 1-D mesh of 4 up to float rounding; ``--fsdp``
+  with ``--accumulation-steps 2`` equals DDP up to float rounding.
 """
 
 from __future__ import annotations
@@ -117,15 +118,32 @@ def test_fsdp_checkpoint_of_two_ranks_resumes_at_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_hsdp_replicate_equals_the_one_dimensional_mesh(tmp_path: Path) -> None:
-    """``--replicate 2`` at 2 ranks: a (2, 1) mesh, each rank a whole replica."""
+    """``--replicate 2`` at 4 ranks (a 2 x 2 mesh: 2 replicas, each sharded over 2 ranks)
+    trains as the 1-D mesh of 4 ranks does (the same data; float rounding apart)."""
     common = ["--fsdp", "--kfac", "--optimizer", "adamw", "--epochs", "2"]
-    _torchrun(2, tmp_path, *common, "--name", "flat")
-    _torchrun(2, tmp_path, *common, "--replicate", "2", "--name", "hsdp")
+    _torchrun(4, tmp_path, *common, "--name", "flat")
+    _torchrun(4, tmp_path, *common, "--replicate", "2", "--name", "hsdp")
     flat, hsdp = (_losses(tmp_path / n, "adamw+kfac") for n in ("flat", "hsdp"))
-    assert [r[:2] for r in flat] == [r[:2] for r in hsdp]
+    assert [r[:2] for r in flat] == [r[:2] for r in hsdp] and len(flat) == 3
     for a, b in zip(flat, hsdp, strict=True):
+        assert b[3] == pytest.approx(a[3], rel=1e-5, abs=1e-6)
+    summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())
+    assert summary["settings"]["adamw+kfac"]["replicate"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_with_accumulation_equals_ddp(tmp_path: Path) -> None:
+    """``--fsdp`` trains as DDP does (the same data and steps; float rounding apart), also
+    with 2 micro-batches a step (under FSDP2 each one reduce-scatters its gradients)."""
+    common = ["--kfac", "--optimizer", "adamw", "--epochs", "2", "--accumulation-steps", "2"]
+    _torchrun(2, tmp_path, *common, "--name", "ddp")
+    _torchrun(2, tmp_path, *common, "--fsdp", "--name", "fsdp")
+    ddp, fsdp = (_losses(tmp_path / n, "adamw+kfac") for n in ("ddp", "fsdp"))
+    assert [r[:2] for r in ddp] == [r[:2] for r in fsdp] == [(0, 0), (1, 3), (2, 6)]
+    for a, b in zip(ddp, fsdp, strict=True):
         assert b[3] == pytest.approx(a[3], rel=1e-5, abs=1e-6)
 
 

@@ -73,8 +73,6 @@ def check_options(options: argparse.Namespace, world_size: int, launched: bool) 
     if world_size % options.replicate:
         return (f"--replicate {options.replicate} must divide the number of processes "
                 f"({world_size})")
-    if options.accumulation_steps != 1:
-        return "--fsdp does not support --accumulation-steps > 1 yet"
     return None
 
 

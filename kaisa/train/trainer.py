@@ -287,7 +287,7 @@ class Trainer:
             loss, output = self._kfac_step(x, y)
         else:
             sync = contextlib.nullcontext()
-            if self.context.enabled and not last_micro:
+            if self.context.enabled and not last_micro and not self.options.fsdp:
                 sync = self.net.no_sync()  # type: ignore[operator]
             with sync:
                 output = self.net(x)
