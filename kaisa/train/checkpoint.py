@@ -154,8 +154,12 @@ def load(path: Path, device: torch.device) -> dict[str, Any]:
 #: Settings that may change between a run and its resumption.
 RESUMABLE = frozenset(
     {"epochs", "time_budget", "resume", "overwrite", "quiet", "log_every", "plot", "threads",
-     "run_dir", "name", "compare", "target", "device"}
+     "run_dir", "name", "compare", "target", "device", "replicate"}
 )
+
+#: Settings added since checkpoints first recorded them, with the value they had before: a
+#: checkpoint without one is compared as if it held that value.
+ADDED = {"fsdp": False, "replicate": 1}
 
 
 def check_matches(
@@ -185,7 +189,7 @@ def check_matches(
         for key in sorted(set(saved) | set(settings)):
             if key in RESUMABLE or key == "world_size":
                 continue
-            if saved.get(key) != settings.get(key):
+            if saved.get(key, ADDED.get(key)) != settings.get(key):
                 raise CheckpointError(
                     f"cannot resume from {path}: written by another configuration "
                     f"({key}={saved.get(key)!r} there, {settings.get(key)!r} now)"

@@ -6,6 +6,7 @@ import argparse
 import errno
 import json
 import math
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any, NoReturn, cast
 
 import torch
 
-from kaisa.train import checkpoint, distributed, report
+from kaisa.train import checkpoint, distributed, report, sharded
 from kaisa.train.configs import RunSpec, parse_spec, resolve, settings
 from kaisa.train.data import (
     Dataset,
@@ -53,7 +54,7 @@ EXIT_INTERRUPTED = 130
 RUN_FILES = ("metrics.jsonl", "summary.json", "table.md", "comparison.png")
 
 
-def _complete(options: argparse.Namespace) -> None:
+def _complete(options: argparse.Namespace, world_size: int = 1) -> None:
     """Fill task- and dataset-dependent defaults and check task/model compatibility."""
     defaults = TASK_DEFAULTS[options.task]
     for key, value in defaults.items():
@@ -79,6 +80,9 @@ def _complete(options: argparse.Namespace) -> None:
         options.name = f"{options.dataset}-{options.model}-{options.task}"
     if options.name.strip() in ("", ".", ".."):
         raise UsageError(f"--name must name a run directory, got {options.name!r}")
+    problem = sharded.check_options(options, world_size, distributed.launched_by_torchrun())
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def _load_data(options: argparse.Namespace, world_size: int) -> Dataset:
@@ -110,6 +114,8 @@ def _load_data(options: argparse.Namespace, world_size: int) -> Dataset:
 def _check(config: argparse.Namespace, data: Dataset) -> None:
     """Build the optimiser and preconditioner once so bad values fail before training."""
     model = model_for(config, data)
+    if (why := sharded.check_config(config)) is not None:
+        raise UsageError(f"configuration {config.label!r}: {why}")
     try:
         if config.optimizer == "kfac":
             if config.accumulation_steps != 1:
@@ -206,7 +212,8 @@ def _existing_run_files(run_dir: Path) -> list[Path]:
         return []
     files = [run_dir / name for name in RUN_FILES]
     files += sorted(run_dir.glob("checkpoint*.pt")) + sorted(run_dir.glob("checkpoint*.partial"))
-    return [f for f in files if f.exists()]
+    files += sorted(run_dir.glob("checkpoint*.dcp")) + sorted(run_dir.glob("checkpoint*.dcp.*"))
+    return [f for f in dict.fromkeys(files) if f.exists()]
 
 
 def _not_a_file(options: argparse.Namespace, run_dir: Path) -> Exception | None:
@@ -265,7 +272,10 @@ def _prepare_run_dir(
         )
     if context.is_main:
         for f in existing:
-            f.unlink()
+            if f.is_dir():  # an --fsdp checkpoint (a DCP directory)
+                shutil.rmtree(f)
+            else:
+                f.unlink()
     return lock
 
 
@@ -279,18 +289,34 @@ def _resume_states(
     """Loads and checks every checkpoint to resume from, before any file is touched."""
     states: list[dict[str, Any] | None] = []
     for spec, config in zip(specs, configs, strict=True):
-        path = run_dir / _checkpoint_name(spec, len(specs))
-        if not (config.resume and path.is_file()):
+        path = run_dir / _checkpoint_name(spec, len(specs), config.fsdp)
+        other = run_dir / _checkpoint_name(spec, len(specs), not config.fsdp)
+        if config.resume and not path.exists() and other.exists():
+            flag = "without" if config.fsdp else "with"
+            raise checkpoint.CheckpointError(
+                f"cannot resume from {other}: written by a run {flag} --fsdp (resume {flag} "
+                "--fsdp)")
+        if not (config.resume and path.exists()):
             states.append(None)
             continue
-        state = checkpoint.load(path, context.device)
-        checkpoint.check_matches(state, path, settings(config), build(config, data, context))
+        now = settings(config)
+        if config.fsdp:
+            state = sharded.read(path, context.device)
+            now = sharded.settings_for_check(state, now)
+        else:
+            state = checkpoint.load(path, context.device)
+        checkpoint.check_matches(state, path, now, build(config, data, context))
         states.append(state)
     return states
 
 
-def _checkpoint_name(spec: RunSpec, count: int) -> str:
-    return "checkpoint.pt" if count == 1 else f"checkpoint-{spec.slug}.pt"
+def _checkpoint_name(spec: RunSpec, count: int, fsdp: bool = False) -> str:
+    """The checkpoint: ``checkpoint.pt``, or ``checkpoint.dcp`` (a directory) under ``--fsdp``.
+
+    With several configurations, ``checkpoint-SLUG.pt`` or ``checkpoint-SLUG.dcp``.
+    """
+    suffix = ".dcp" if fsdp else ".pt"
+    return f"checkpoint{suffix}" if count == 1 else f"checkpoint-{spec.slug}{suffix}"
 
 
 def _run(
@@ -298,7 +324,7 @@ def _run(
     parser: argparse.ArgumentParser,
     context: distributed.DistContext,
 ) -> int:
-    _complete(options)
+    _complete(options, context.world_size)
     options.world_size = context.world_size  # recorded; --resume refuses another one
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -345,7 +371,7 @@ def _train_all(
     results: list[RunResult] = []
     status = EXIT_OK
     for spec, config, state in zip(specs, configs, states, strict=True):
-        name = _checkpoint_name(spec, len(specs))
+        name = _checkpoint_name(spec, len(specs), config.fsdp)
 
         def on_record(record: Record, epochs: int = config.epochs) -> None:
             if metrics is None:

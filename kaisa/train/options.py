@@ -18,6 +18,7 @@ examples:
   kaisa-train --task classify --model cnn --kfac --epochs 10
   kaisa-train --compare sgd@lr=0.1,sgd+kfac@lr=0.3@damping=0.01 --time-budget 10
   torchrun --standalone --nproc_per_node=2 -m kaisa.train --kfac
+  torchrun --standalone --nproc_per_node=2 -m kaisa.train --task lm --fsdp --kfac
   kaisa-train --dataset cifar10 --data-dir ~/data --task classify --model resnet20 --kfac
 
 Options shown as 'tuned' default to values tuned per task and optimiser on
@@ -396,6 +397,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="replace an existing run of the same name (without it, reusing a name is refused)",
+    )
+    add(
+        "--fsdp",
+        action="store_true",
+        help="--task lm under torchrun: shard the GPT with FSDP2 (fully_shard per transformer "
+        "block and the root) instead of DDP; checkpoints become DCP directories that resume "
+        "at any world size (not with --optimizer kfac)",
+    )
+    add(
+        "--replicate",
+        type=int_from(1),
+        default=1,
+        metavar="R",
+        help="with --fsdp: HSDP, R replicas of the model each sharded over world/R processes "
+        "(default: %(default)s, shard over all)",
     )
     add(
         "--pg-timeout",

@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 from tqdm import tqdm
 
 from kaisa.models import build_model, gpt
-from kaisa.train import checkpoint
+from kaisa.train import checkpoint, sharded
 from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
 from kaisa.train.distributed import DistContext, all_reduce_sum, data_parallel
+from kaisa.train.evaluation import epoch_record, loss_fn
 from kaisa.train.files import deferred_interrupt
 from kaisa.train.optim import (
     OWN_CURVATURE,
@@ -104,63 +104,6 @@ def build(options: argparse.Namespace, data: Dataset, context: DistContext) -> n
     return model_for(options, data).to(context.device)
 
 
-def loss_fn(task: str, output: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """MSE reconstruction loss (autoencode), cross-entropy (classify; lm: per byte)."""
-    if task == "autoencode":
-        return F.mse_loss(output, x.flatten(1))
-    if task == "lm":
-        return F.cross_entropy(output.flatten(0, 1), y.flatten())
-    return F.cross_entropy(output, y)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, task: str, x: torch.Tensor, y: torch.Tensor, context: DistContext
-) -> tuple[float, float]:
-    """Mean loss and accuracy over ``(x, y)`` in eval mode, sharded over ranks.
-
-    For ``autoencode`` the loss is the per-element MSE and the accuracy is NaN.
-    """
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=context.device)
-    for start in range(context.rank * 1024, len(x), context.world_size * 1024):
-        xb = x[start : start + 1024].to(context.device)
-        yb = y[start : start + 1024].to(context.device)
-        out = model(xb)
-        totals[0] += loss_fn(task, out, xb, yb).double() * len(xb)
-        if task == "classify":
-            totals[1] += (out.argmax(1) == yb).sum()
-        totals[2] += len(xb)
-    all_reduce_sum(totals, context)
-    model.train(was_training)
-    loss = float(totals[0] / totals[2])
-    accuracy = float(totals[1] / totals[2]) if task == "classify" else math.nan
-    return loss, accuracy
-
-
-def epoch_record(
-    options: argparse.Namespace, model: nn.Module, data: Dataset, context: DistContext
-) -> Record:
-    """Evaluation part of a metrics record (test set, and train set if enabled)."""
-    task = options.task
-    record: Record = {}
-    if options.eval_train:
-        loss, accuracy = evaluate(model, task, data.train_x, data.train_y, context)
-        record["train_eval_loss"] = loss
-        record["train_mse" if task == "autoencode" else "train_acc"] = (
-            loss if task == "autoencode" else accuracy
-        )
-    loss, accuracy = evaluate(model, task, data.test_x, data.test_y, context)
-    record["test_loss"] = loss
-    if task == "lm":  # validation cross-entropy per byte, in bits
-        record["test_bpb"] = loss / math.log(2)
-    record["test_mse" if task == "autoencode" else "test_acc"] = (
-        loss if task == "autoencode" else accuracy
-    )
-    return record
-
-
 class Trainer:
     """Model, optimiser, schedule and preconditioner of one configuration."""
 
@@ -177,7 +120,8 @@ class Trainer:
         self.checkpoint_path, self.on_record = checkpoint_path, on_record
         self.model = build(options, data, context)
         self.result = RunResult(label=options.label, init_checksum=fingerprint(self.model))
-        self.net: nn.Module = data_parallel(self.model, context)
+        self.net: nn.Module = (sharded.shard(self.model, context, options.replicate)
+                               if options.fsdp else data_parallel(self.model, context))
         #: kaisa.KFAC (``--optimizer kfac``): adaptive lr/momentum, its own preconditioner.
         self.kfac_optimizer = options.optimizer == "kfac"
         if self.kfac_optimizer and options.accumulation_steps != 1:
@@ -219,12 +163,15 @@ class Trainer:
 
     def resume(self, state: dict[str, Any]) -> None:
         """Restore everything from a checked checkpoint; replay its history to ``on_record``."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])  # KFAC: also its preconditioner
+        if self.options.fsdp:  # a DCP directory: resharded, K-FAC owners re-placed
+            sharded.load(self.checkpoint_path, self.model, self.optimizer, self._preconditioner())
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])  # KFAC: also its preconditioner
+            if self._preconditioner() is not None:
+                self.pre.load_state_dict(state["preconditioner"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.pre is not None and not self.owns_curvature:
-            self.pre.load_state_dict(state["preconditioner"])
         checkpoint.set_rng_state(state["rng"])
         result = self.result
         self.epoch, result.steps = state["epoch"], state["steps"]
@@ -244,20 +191,28 @@ class Trainer:
             "steps": result.steps,
             "train_time": result.train_time,
             "history": result.history,
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(),
+        }
+        if self.options.fsdp:
+            sharded.save(self.checkpoint_path, state, self.model, self.optimizer,
+                         self._preconditioner(), self.context)
+            return
+        state |= {
             "model": self.model.state_dict(),
             # K-FAC: with the decompositions other ranks hold (MEM-OPT, HYBRID-OPT)
             "optimizer": (cast(Any, self.optimizer).state_dict(gather=True)
                           if self.owns_curvature else self.optimizer.state_dict()),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "rng": checkpoint.rng_state(),
             "preconditioner": (
-                self.pre.state_dict(gather=True)
-                if self.pre is not None and not self.owns_curvature
-                else None
+                None if self._preconditioner() is None else self.pre.state_dict(gather=True)
             ),
         }
         if self.context.is_main:
             checkpoint.save(self.checkpoint_path, state)
+
+    def _preconditioner(self) -> Any:
+        """The :class:`kaisa.KFACPreconditioner` (``None``: none, or the optimizer's own)."""
+        return None if self.owns_curvature else self.pre
 
     def _postfix(self, totals: torch.Tensor) -> dict[str, str]:
         """Progress-bar fields: running loss and accuracy (classify) or MSE (autoencode)."""
@@ -332,7 +287,7 @@ class Trainer:
             loss, output = self._kfac_step(x, y)
         else:
             sync = contextlib.nullcontext()
-            if self.context.enabled and not last_micro:
+            if self.context.enabled and not last_micro and not self.options.fsdp:
                 sync = self.net.no_sync()  # type: ignore[operator]
             with sync:
                 output = self.net(x)
