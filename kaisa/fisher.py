@@ -20,11 +20,13 @@ from collections.abc import Callable
 import torch
 
 from kaisa import quadratic
+from kaisa.amp import LossScaling
 from kaisa.curvature import KFACCurvature
 from kaisa.losses import Loss, Share
-from kaisa.optimizer_config import TYPE2_MAX_COLUMNS, Curvature
+from kaisa.optimizer_config import TYPE2_MAX_COLUMNS, Curvature, KFACOptimizerConfig
+from kaisa.profiling import phase
 
-__all__ = ["record_g"]
+__all__ = ["backward_passes", "record_g"]
 
 
 def record_g(
@@ -97,4 +99,61 @@ def record_g(
             else:
                 torch.autograd.grad(outputs, params, grad_outputs=seed, retain_graph=True,
                                     allow_unused=True)
+    return linearization
+
+
+def backward_passes(
+    config: KFACOptimizerConfig,
+    curvature: KFACCurvature,
+    loss: Loss,
+    scaling: LossScaling,
+    outputs: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    factor_step: bool,
+    params: list[torch.Tensor],
+    covered: list[torch.Tensor],
+    generator: torch.Generator,
+    share: Share,
+    keep: bool,
+) -> quadratic.Linearization | None:
+    """A step's backward passes: G's (:func:`record_g`) on factor steps, then the gradient's.
+
+    With ``'empirical'`` curvature (or off factor steps) the gradient's pass is the one
+    the core records.
+
+    Args:
+        config: KFAC's configuration (the G source, ``mc_samples``, the Fisher scale).
+        curvature: The core whose hooks record the passes.
+        loss: The declared loss.
+        scaling: The loss scaling (divisor and scaled loss).
+        outputs: The model outputs, with the training forward's graph.
+        value: The loss at the batch's targets (its gradient lands in ``.grad``).
+        factor_step: Whether the factors are updated this step.
+        params: The trainable parameters.
+        covered: The parameters the quadratic model's ``J^T`` is built over.
+        generator: The target sampler's generator.
+        share: This rank's rows of the global batch.
+        keep: Keep the graph and build ``J^T`` in the first G pass (``jvp='double_backward'``).
+
+    Returns:
+        The linearisation :func:`record_g` built, or ``None``.
+    """
+    fisher = (math.sqrt(loss.scale(outputs) / loss.examples(outputs))
+              if config.fisher_scaled else 1.0)
+    divisor = scaling.divisor(fisher)
+    scaled = scaling.scaled
+    linearization = None
+    if config.curvature is not Curvature.EMPIRICAL and factor_step:
+        with phase("curvature_backward"):  # the sampled targets' passes, G
+            linearization = record_g(
+                config.curvature, curvature, loss, outputs, params=params, covered=covered,
+                samples=config.mc_samples, generator=generator, share=share, divisor=divisor,
+                scaled=scaled, linearize=keep,
+            )
+        with curvature.output_gradients(passes=0), phase("backward"):
+            torch.autograd.backward(scaled(value), retain_graph=keep)
+    else:
+        with curvature.output_gradients(passes=1, divisor=divisor), phase("backward"):
+            torch.autograd.backward(scaled(value), retain_graph=keep)
     return linearization
