@@ -51,7 +51,9 @@ def record_g(
         curvature: The core whose hooks record the passes.
         loss: The declared loss.
         outputs: The model outputs, with the training forward's graph (kept).
-        params: The parameters the passes differentiate (their ``.grad`` is untouched).
+        params: The parameters the passes differentiate where the forward kept no hooked
+            outputs (:attr:`~kaisa.hooks.StatisticsRecorder.keep_outputs`; their ``.grad``
+            is untouched).
         covered: The parameters the quadratic model's ``J^T`` is built over.
         samples: Monte-Carlo samples (``MC``).
         generator: The target sampler's generator (``MC``).
@@ -68,6 +70,9 @@ def record_g(
             :data:`~kaisa.optimizer_config.TYPE2_MAX_COLUMNS`.
     """
     linearization: quadratic.Linearization | None = None
+    # the passes need only the hooked outputs' gradients where the forward kept them (no
+    # weight-gradient products); the list is dropped once they ran
+    wrt = [t for t in curvature.recorder.kept_outputs if t.requires_grad] or params
     if source is Curvature.MC:
         with curvature.output_gradients(passes=samples, divisor=divisor):
             for sample in range(samples):
@@ -79,8 +84,9 @@ def record_g(
                     (seed,) = torch.autograd.grad(scaled(loss(free, targets)), free)
                     linearization = quadratic.Linearization(outputs, covered, seed)
                 else:
-                    torch.autograd.grad(scaled(loss(outputs, targets)), params,
+                    torch.autograd.grad(scaled(loss(outputs, targets)), wrt,
                                         retain_graph=True, allow_unused=True)
+        curvature.recorder.kept_outputs.clear()
         return linearization
     columns = loss.fisher_sqrt(outputs)
     count = int(columns.shape[0])
@@ -97,8 +103,9 @@ def record_g(
             if index == 0 and linearize:
                 linearization = quadratic.Linearization(outputs, covered, seed)
             else:
-                torch.autograd.grad(outputs, params, grad_outputs=seed, retain_graph=True,
+                torch.autograd.grad(outputs, wrt, grad_outputs=seed, retain_graph=True,
                                     allow_unused=True)
+    curvature.recorder.kept_outputs.clear()
     return linearization
 
 

@@ -121,6 +121,10 @@ class StatisticsRecorder:
         self.g_passes = 1
         #: What output gradients are divided by; ``None``: the grad scaler's loss scale.
         self.divisor: float | torch.Tensor | None = None
+        #: Keep the hooked outputs of recorded forward passes in :attr:`kept_outputs` (until
+        #: :meth:`end_step`): G's backward passes need only their gradients.
+        self.keep_outputs = False
+        self.kept_outputs: list[torch.Tensor] = []
         self._forward_calls: dict[str, int] = {}
         self._grad_calls: dict[str, int] = {}
         self._micro_batches = 0
@@ -153,6 +157,7 @@ class StatisticsRecorder:
         self._grad_calls.clear()
         self._micro_batches = 0
         self._passes_done = 0
+        self.kept_outputs.clear()
 
     def compute_saved(self) -> None:
         """Turns kept inputs / output gradients into batch factors (``in_hook=False``)."""
@@ -210,6 +215,8 @@ class StatisticsRecorder:
         self._forward_calls[name] = self._forward_calls.get(name, 0) + 1
         self._timed(self._record_input, layer, x, site)
         hook_outputs(outputs, self._grad_hook(layer, x, site, cut))
+        if self.keep_outputs:
+            self.kept_outputs.extend(outputs)
 
     def _mismatch(self, key: tuple[CurvatureBlock, int], site: CallSite) -> None:
         name = key[0].name

@@ -342,7 +342,10 @@ class KFAC(torch.optim.Optimizer):
         self._arm()
 
     def _arm(self) -> None:  # whether the coming forward passes record statistics
-        self.curvature.recording = self._due("factor_update_steps")
+        self.curvature.recording = recording = self._due("factor_update_steps")
+        # G's passes differentiate the hooked outputs only (kaisa.fisher.record_g)
+        self.curvature.recorder.keep_outputs = (
+            recording and self.config.curvature is not Curvature.EMPIRICAL)
 
     def _params(self) -> list[torch.Tensor]:
         """The trainable parameters (one frozen after construction is skipped)."""
