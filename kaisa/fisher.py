@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, Node
 
 from kaisa import quadratic
 from kaisa.amp import LossScaling
@@ -26,7 +28,7 @@ from kaisa.losses import Loss, Share
 from kaisa.optimizer_config import TYPE2_MAX_COLUMNS, Curvature, KFACOptimizerConfig
 from kaisa.profiling import phase
 
-__all__ = ["backward_passes", "record_g"]
+__all__ = ["backward_passes", "record_g", "upstream"]
 
 
 def record_g(
@@ -72,7 +74,7 @@ def record_g(
     linearization: quadratic.Linearization | None = None
     # the passes need only the hooked outputs' gradients where the forward kept them (no
     # weight-gradient products); the list is dropped once they ran
-    wrt = [t for t in curvature.recorder.kept_outputs if t.requires_grad] or params
+    wrt: list[Any] = upstream(curvature.recorder.kept_outputs) or params
     if source is Curvature.MC:
         with curvature.output_gradients(passes=samples, divisor=divisor):
             for sample in range(samples):
@@ -164,3 +166,28 @@ def backward_passes(
         with curvature.output_gradients(passes=1, divisor=divisor), phase("backward"):
             torch.autograd.backward(scaled(value), retain_graph=keep)
     return linearization
+
+
+def upstream(edges: list[GradientEdge]) -> list[GradientEdge]:
+    """The edges no other edge's node precedes in the autograd graph.
+
+    A backward pass asked for their gradients computes every other edge's on the way (each
+    lies on a path from the loss to one of them), and returns only theirs: G's passes ask
+    for these, not for every hooked output (whose gradients would all be held to the end
+    of the pass).
+    """
+    targets = {e.node for e in edges}
+    below: dict[Node, bool] = {}  # node -> whether an edge's node precedes it
+    for start in targets:
+        stack: list[tuple[Node, bool]] = [(start, False)]
+        while stack:  # iterative post-order: graphs are deeper than the recursion limit
+            node, expanded = stack.pop()
+            if node in below:
+                continue
+            children = [n for n, _ in node.next_functions if n is not None]
+            if expanded:
+                below[node] = any(n in targets or below[n] for n in children)
+            else:
+                stack.append((node, True))
+                stack.extend((n, False) for n in children if n not in below)
+    return [e for e in edges if not below[e.node]]

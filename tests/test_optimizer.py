@@ -331,6 +331,22 @@ def test_g_passes_differentiate_only_the_hooked_outputs(curvature: str) -> None:
                 assert torch.equal(value, s2[name][key]), (name, key)
 
 
+def test_upstream_edges_are_those_no_other_precedes() -> None:
+    from torch.autograd.graph import get_gradient_edge
+
+    from kaisa.fisher import upstream
+
+    w = torch.randn(3, 3, requires_grad=True)
+    h = torch.ones(2, 3) @ w
+    a, b = h.split([1, 2], dim=1)  # parts of one node: kept together
+    c = (a * 2 + b.sum()) @ w[:1]
+    side = torch.ones(2, 3) @ w.T  # a branch no other edge precedes
+    edges = [get_gradient_edge(t) for t in (c, a, b, side)]
+    assert upstream(edges) == [edges[1], edges[2], edges[3]]
+    assert upstream([edges[0], get_gradient_edge(h)]) == [get_gradient_edge(h)]
+    assert upstream([edges[0]]) == [edges[0]]
+
+
 # --------------------------------------------------------------------------- mixed precision
 
 
