@@ -15,7 +15,7 @@ import torch
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.finite import all_finite
 
-__all__ = ["guarded_directions", "write_preconditioned"]
+__all__ = ["guarded_directions", "parameter_directions", "write_preconditioned"]
 
 
 def guarded_directions(
@@ -67,3 +67,34 @@ def write_preconditioned(
     """Writes :func:`guarded_directions` into the parameters' ``.grad``."""
     for block, direction in guarded_directions(pairs, kl_clip=kl_clip, lr=lr):
         block.write_grad(direction)
+
+
+def parameter_directions(
+    pairs: Sequence[Preconditioned], params: list[torch.Tensor], raw: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """:func:`guarded_directions` (unclipped) per parameter: ``raw[i]`` where no block covers it.
+
+    Args:
+        pairs: The core's preconditioned gradients.
+        params: The parameters (a block's frozen parameter is skipped).
+        raw: Their gradients, in the same order (not modified).
+
+    Returns:
+        One direction per parameter; a parameter several blocks share gets each block's
+        rows (the other rows keep ``raw``'s).
+    """
+    directions = list(raw)
+    index = {id(p): i for i, p in enumerate(params)}
+    for block, matrix in guarded_directions(pairs, kl_clip=None, lr=1.0):
+        for p, part, rows in zip(block.parameters(), block.split(matrix),
+                                 block.row_slices(), strict=True):
+            if id(p) not in index:  # a frozen parameter
+                continue
+            i = index[id(p)]
+            if rows is None:
+                directions[i] = part
+            else:  # the block's rows of a parameter several blocks share
+                if directions[i] is raw[i]:
+                    directions[i] = raw[i].clone()
+                directions[i][rows] = part
+    return directions

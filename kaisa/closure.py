@@ -19,8 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
-__all__ = ["Closure", "call"]
+from kaisa.amp import full_precision_outputs
+from kaisa.losses import Loss
+from kaisa.replay import RandomState, replayed
+
+__all__ = ["Closure", "call", "replayed_loss"]
 
 Closure = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,3 +58,16 @@ def call(closure: Closure) -> tuple[torch.Tensor, torch.Tensor]:
             "(model(x), targets)"
         )
     return outputs, targets
+
+
+def replayed_loss(
+    model: nn.Module, closure: Closure, loss: Loss, start: RandomState
+) -> torch.Tensor:
+    """The loss of a forward pass replaying the step's (from ``start``), float64, no graph.
+
+    The Levenberg-Marquardt rule's ``L(theta + delta)``: the same dropout masks, and no
+    module state or random stream changes (:func:`kaisa.replay.replayed`).
+    """
+    with torch.no_grad(), replayed(model, start):
+        outputs, targets = call(closure)
+        return loss(full_precision_outputs(outputs), targets).detach().double()

@@ -186,6 +186,11 @@ class KFACCurvature:
     def recording(self, value: bool) -> None:
         self._recorder.recording = bool(value)
 
+    @property
+    def recorder(self) -> StatisticsRecorder:
+        """The hooks that record the statistics (``keep_outputs``, ``kept_outputs``)."""
+        return self._recorder
+
     @contextmanager
     def output_gradients(
         self, *, passes: int, divisor: float | torch.Tensor | None = None

@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, Node
 
 from kaisa import quadratic
+from kaisa.amp import LossScaling
 from kaisa.curvature import KFACCurvature
 from kaisa.losses import Loss, Share
-from kaisa.optimizer_config import TYPE2_MAX_COLUMNS, Curvature
+from kaisa.optimizer_config import TYPE2_MAX_COLUMNS, Curvature, KFACOptimizerConfig
+from kaisa.profiling import phase
 
-__all__ = ["record_g"]
+__all__ = ["backward_passes", "record_g", "upstream"]
 
 
 def record_g(
@@ -49,7 +53,9 @@ def record_g(
         curvature: The core whose hooks record the passes.
         loss: The declared loss.
         outputs: The model outputs, with the training forward's graph (kept).
-        params: The parameters the passes differentiate (their ``.grad`` is untouched).
+        params: The parameters the passes differentiate where the forward kept no hooked
+            outputs (:attr:`~kaisa.hooks.StatisticsRecorder.keep_outputs`; their ``.grad``
+            is untouched).
         covered: The parameters the quadratic model's ``J^T`` is built over.
         samples: Monte-Carlo samples (``MC``).
         generator: The target sampler's generator (``MC``).
@@ -66,6 +72,9 @@ def record_g(
             :data:`~kaisa.optimizer_config.TYPE2_MAX_COLUMNS`.
     """
     linearization: quadratic.Linearization | None = None
+    # the passes need only the hooked outputs' gradients where the forward kept them (no
+    # weight-gradient products); the list is dropped once they ran
+    wrt: list[Any] = upstream(curvature.recorder.kept_outputs) or params
     if source is Curvature.MC:
         with curvature.output_gradients(passes=samples, divisor=divisor):
             for sample in range(samples):
@@ -77,8 +86,9 @@ def record_g(
                     (seed,) = torch.autograd.grad(scaled(loss(free, targets)), free)
                     linearization = quadratic.Linearization(outputs, covered, seed)
                 else:
-                    torch.autograd.grad(scaled(loss(outputs, targets)), params,
+                    torch.autograd.grad(scaled(loss(outputs, targets)), wrt,
                                         retain_graph=True, allow_unused=True)
+        curvature.recorder.kept_outputs.clear()
         return linearization
     columns = loss.fisher_sqrt(outputs)
     count = int(columns.shape[0])
@@ -95,6 +105,89 @@ def record_g(
             if index == 0 and linearize:
                 linearization = quadratic.Linearization(outputs, covered, seed)
             else:
-                torch.autograd.grad(outputs, params, grad_outputs=seed, retain_graph=True,
+                torch.autograd.grad(outputs, wrt, grad_outputs=seed, retain_graph=True,
                                     allow_unused=True)
+    curvature.recorder.kept_outputs.clear()
     return linearization
+
+
+def backward_passes(
+    config: KFACOptimizerConfig,
+    curvature: KFACCurvature,
+    loss: Loss,
+    scaling: LossScaling,
+    outputs: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    factor_step: bool,
+    params: list[torch.Tensor],
+    covered: list[torch.Tensor],
+    generator: torch.Generator,
+    share: Share,
+    keep: bool,
+) -> quadratic.Linearization | None:
+    """A step's backward passes: G's (:func:`record_g`) on factor steps, then the gradient's.
+
+    With ``'empirical'`` curvature (or off factor steps) the gradient's pass is the one
+    the core records.
+
+    Args:
+        config: KFAC's configuration (the G source, ``mc_samples``, the Fisher scale).
+        curvature: The core whose hooks record the passes.
+        loss: The declared loss.
+        scaling: The loss scaling (divisor and scaled loss).
+        outputs: The model outputs, with the training forward's graph.
+        value: The loss at the batch's targets (its gradient lands in ``.grad``).
+        factor_step: Whether the factors are updated this step.
+        params: The trainable parameters.
+        covered: The parameters the quadratic model's ``J^T`` is built over.
+        generator: The target sampler's generator.
+        share: This rank's rows of the global batch.
+        keep: Keep the graph and build ``J^T`` in the first G pass (``jvp='double_backward'``).
+
+    Returns:
+        The linearisation :func:`record_g` built, or ``None``.
+    """
+    fisher = (math.sqrt(loss.scale(outputs) / loss.examples(outputs))
+              if config.fisher_scaled else 1.0)
+    divisor = scaling.divisor(fisher)
+    scaled = scaling.scaled
+    linearization = None
+    if config.curvature is not Curvature.EMPIRICAL and factor_step:
+        with phase("curvature_backward"):  # the sampled targets' passes, G
+            linearization = record_g(
+                config.curvature, curvature, loss, outputs, params=params, covered=covered,
+                samples=config.mc_samples, generator=generator, share=share, divisor=divisor,
+                scaled=scaled, linearize=keep,
+            )
+        with curvature.output_gradients(passes=0), phase("backward"):
+            torch.autograd.backward(scaled(value), retain_graph=keep)
+    else:
+        with curvature.output_gradients(passes=1, divisor=divisor), phase("backward"):
+            torch.autograd.backward(scaled(value), retain_graph=keep)
+    return linearization
+
+
+def upstream(edges: list[GradientEdge]) -> list[GradientEdge]:
+    """The edges no other edge's node precedes in the autograd graph.
+
+    A backward pass asked for their gradients computes every other edge's on the way (each
+    lies on a path from the loss to one of them), and returns only theirs: G's passes ask
+    for these, not for every hooked output (whose gradients would all be held to the end
+    of the pass).
+    """
+    targets = {e.node for e in edges}
+    below: dict[Node, bool] = {}  # node -> whether an edge's node precedes it
+    for start in targets:
+        stack: list[tuple[Node, bool]] = [(start, False)]
+        while stack:  # iterative post-order: graphs are deeper than the recursion limit
+            node, expanded = stack.pop()
+            if node in below:
+                continue
+            children = [n for n, _ in node.next_functions if n is not None]
+            if expanded:
+                below[node] = any(n in targets or below[n] for n in children)
+            else:
+                stack.append((node, True))
+                stack.extend((n, False) for n in children if n not in below)
+    return [e for e in edges if not below[e.node]]

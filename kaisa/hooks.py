@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from kaisa.blocks import CurvatureBlock
 from kaisa.callsites import CallSite, Cut, FunctionalTap, hook_outputs
@@ -121,6 +122,11 @@ class StatisticsRecorder:
         self.g_passes = 1
         #: What output gradients are divided by; ``None``: the grad scaler's loss scale.
         self.divisor: float | torch.Tensor | None = None
+        #: Keep where the hooked outputs of recorded forward passes enter the graph, in
+        #: :attr:`kept_outputs` (until :meth:`end_step`; edges, not the tensors): G's
+        #: backward passes need only their gradients (:func:`kaisa.fisher.record_g`).
+        self.keep_outputs = False
+        self.kept_outputs: list[GradientEdge] = []
         self._forward_calls: dict[str, int] = {}
         self._grad_calls: dict[str, int] = {}
         self._micro_batches = 0
@@ -153,6 +159,7 @@ class StatisticsRecorder:
         self._grad_calls.clear()
         self._micro_batches = 0
         self._passes_done = 0
+        self.kept_outputs.clear()
 
     def compute_saved(self) -> None:
         """Turns kept inputs / output gradients into batch factors (``in_hook=False``)."""
@@ -210,6 +217,8 @@ class StatisticsRecorder:
         self._forward_calls[name] = self._forward_calls.get(name, 0) + 1
         self._timed(self._record_input, layer, x, site)
         hook_outputs(outputs, self._grad_hook(layer, x, site, cut))
+        if self.keep_outputs:
+            self.kept_outputs.extend(get_gradient_edge(t) for t in outputs if t.requires_grad)
 
     def _mismatch(self, key: tuple[CurvatureBlock, int], site: CallSite) -> None:
         name = key[0].name

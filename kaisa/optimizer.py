@@ -12,11 +12,10 @@ configuration :class:`~kaisa.optimizer_config.KFACOptimizerConfig`.
 In distributed runs (gradients averaged by DDP) the few scalars of the quadratic model
 and of the LM rule are averaged over ranks, so every rank takes the same step.
 
-The adaptive parts need the batch: :meth:`KFAC.step` takes a closure returning
-``(outputs, targets)`` from a fresh forward pass. Without a closure (after the user's own
-``loss.backward()``), only fixed ``lr``/``momentum`` with ``'empirical'`` curvature work.
-Mixed precision: run the forward pass under ``torch.autocast`` (inside the closure) and
-pass a ``torch.amp.GradScaler`` as ``grad_scaler``; KFAC drives it (:mod:`kaisa.amp`).
+The adaptive parts need the batch: :meth:`KFAC.step` takes a closure (:mod:`kaisa.closure`).
+Without one (after the user's own ``loss.backward()``), only fixed ``lr``/``momentum`` with
+``'empirical'`` curvature work. Mixed precision: ``torch.autocast`` inside the closure and a
+``torch.amp.GradScaler`` as ``grad_scaler``; KFAC drives it (:mod:`kaisa.amp`).
 """
 
 from __future__ import annotations
@@ -29,11 +28,11 @@ from torch import nn
 
 from kaisa import optimizer_state, quadratic
 from kaisa.amp import HALF, LossScaling, full_precision_outputs
-from kaisa.clipping import guarded_directions, write_preconditioned
-from kaisa.closure import Closure, call
+from kaisa.clipping import parameter_directions, write_preconditioned
+from kaisa.closure import Closure, call, replayed_loss
 from kaisa.curvature import KFACCurvature
 from kaisa.first_order import fixed_value, sgd_update
-from kaisa.fisher import record_g
+from kaisa.fisher import backward_passes
 from kaisa.hyperparams import Schedules
 from kaisa.losses import Loss, LossKind, Reduction, Share
 from kaisa.optimizer_config import (
@@ -218,9 +217,7 @@ class KFAC(torch.optim.Optimizer):
                     )
         if skip:
             self.last = {"lr": 0.0, "momentum": 0.0, "damping": self.damping, kind: 1.0}
-            self._end_step()
-            return None if loss is None else loss.detach()
-        if cfg.adaptive_lr:
+        elif cfg.adaptive_lr:
             assert outputs is not None and loss is not None and closure is not None
             vectors = [directions]
             velocity = [self.state[p].get("velocity") for p in params]
@@ -228,14 +225,10 @@ class KFAC(torch.optim.Optimizer):
                 vectors.append([v for v in velocity if v is not None])
             with timed(self.timings, "quadratic_model"):  # the model's minimiser, over ranks
                 quad, lin, sq = self.quadratic_model(outputs, params, raw, vectors, linearization)
-                k = len(vectors)
-                reduced = self.curvature.mean_over_ranks(torch.cat([quad.flatten(), lin,
-                                                                    loss.detach().double()[None]]))
-                coeffs, predicted = quadratic.minimise(reduced[: k * k].view(k, k),
-                                                       reduced[k * k : k * k + k], sq,
-                                                       self.damping, cfg.max_momentum)
+                coeffs, predicted, loss_before = quadratic.minimise_over_ranks(
+                    self.curvature.mean_over_ranks, quad, lin, sq, loss, self.damping,
+                    cfg.max_momentum)
                 del vectors[len(coeffs):]  # momentum collinear with the direction was dropped
-                loss_before = float(reduced[-1])
             with timed(self.timings, "update"):
                 alpha, mu = quadratic.apply(params, vectors, coeffs, self.state)
                 for group in self.param_groups:
@@ -248,7 +241,7 @@ class KFAC(torch.optim.Optimizer):
         else:
             with timed(self.timings, "update"):
                 self._sgd_update(params)
-        if self.first_order is not None:
+        if self.first_order is not None and not skip:
             with phase("first_order"):
                 self.first_order.step()
         self._end_step()
@@ -265,8 +258,7 @@ class KFAC(torch.optim.Optimizer):
         Monte-Carlo pass builds ``J^T``; a non-finite loss on any rank diverges (nothing
         computed, the step's statistics dropped).
         """
-        cfg, curvature, steps = self.config, self.curvature, self.steps
-        factor_step = steps % self._schedules.integer("factor_update_steps", steps) == 0
+        cfg, curvature, factor_step = self.config, self.curvature, self._due("factor_update_steps")
         linearization: quadratic.JacobianProducts | None = None
         forward_mode = cfg.adaptive_lr and cfg.jvp is JacobianMethod.FORWARD
         with timed(self.timings, "loss_and_grad"), torch.enable_grad():
@@ -283,90 +275,50 @@ class KFAC(torch.optim.Optimizer):
                 for p in group["params"]:
                     p.grad = None
             params = self._params()
+            covered = [p for p in params if id(p) not in self._first_order_ids]
             if forward_mode:
                 assert rng is not None
-                covered = [p for p in params if id(p) not in self._first_order_ids]
                 linearization = quadratic.ForwardLinearization(
                     self._model, lambda: full_precision_outputs(closure()[0]), covered,
                     lambda: replayed(self._model, rng),
                 )
-            fisher = (math.sqrt(self.loss.scale(outputs) / self.loss.examples(outputs))
-                      if cfg.fisher_scaled else 1.0)
-            divisor = self.scaling.divisor(fisher)
-            scaled = self.scaling.scaled
-            if cfg.curvature is not Curvature.EMPIRICAL and factor_step:
-                with phase("curvature_backward"):  # the sampled targets' passes, G
-                    built = record_g(
-                        cfg.curvature, curvature, self.loss, outputs, params=params,
-                        covered=[p for p in params if id(p) not in self._first_order_ids],
-                        samples=cfg.mc_samples, generator=self._generator, share=self._share,
-                        divisor=divisor,
-                        scaled=scaled, linearize=keep,
-                    )
-                linearization = built if built is not None else linearization
-                with curvature.output_gradients(passes=0), phase("backward"):
-                    torch.autograd.backward(scaled(loss), retain_graph=keep)
-            else:
-                with curvature.output_gradients(passes=1, divisor=divisor), phase("backward"):
-                    torch.autograd.backward(scaled(loss), retain_graph=keep)
+            built = backward_passes(cfg, curvature, self.loss, self.scaling, outputs, loss,
+                                    factor_step=factor_step, params=params, covered=covered,
+                                    generator=self._generator, share=self._share, keep=keep)
+            linearization = built if built is not None else linearization
         return outputs, loss, linearization, False
 
+    def _due(self, schedule: str) -> bool:  # whether a step-count schedule fires this step
+        return self.steps % self._schedules.integer(schedule, self.steps) == 0
+
     def _update_curvature(self) -> None:  # the core's updates, when due
-        steps = self.steps
-        if steps % self._schedules.integer("factor_update_steps", steps) == 0:
-            self.curvature.update_factors(self._schedules.real("factor_decay", steps))
-        if steps % self._schedules.integer("inv_update_steps", steps) == 0:
+        if self._due("factor_update_steps"):
+            self.curvature.update_factors(self._schedules.real("factor_decay", self.steps))
+        if self._due("inv_update_steps"):
             self.curvature.update_decompositions(self.damping)
 
-    def _direction(
-        self, params: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _direction(self, params: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``g`` (+ weight decay) and the preconditioned direction (``g`` where none)."""
         wd = self.config.weight_decay
         raw = [_grad(p).add(p, alpha=wd) if wd else _grad(p) for p in params]
         self._update_curvature()
-        results = self.curvature.precondition(self.damping, grads=dict(zip(params, raw,
-                                                                             strict=True)))
-        directions = list(raw)
-        index = {id(p): i for i, p in enumerate(params)}
-        for block, matrix in guarded_directions(results, kl_clip=None, lr=1.0):
-            for p, part, rows in zip(block.parameters(), block.split(matrix),
-                                     block.row_slices(), strict=True):
-                if id(p) not in index:  # a frozen parameter
-                    continue
-                i = index[id(p)]
-                if rows is None:
-                    directions[i] = part
-                else:  # the block's rows of a parameter several blocks share
-                    if directions[i] is raw[i]:
-                        directions[i] = raw[i].clone()
-                    directions[i][rows] = part
-        return raw, directions
+        grads = dict(zip(params, raw, strict=True))
+        return raw, parameter_directions(self.curvature.precondition(self.damping, grads=grads),
+                                         params, raw)
 
-    def _adapt_damping(
-        self, closure: Closure, loss_before: float, predicted: float, start: RandomState
-    ) -> None:
-        """The LM rule on ``rho = (L(theta + delta) - L(theta)) / m0(delta)``.
-
-        Its forward replays the step's (:func:`kaisa.replay.replayed`): the same dropout
-        masks, and no module state or random stream changes.
-        """
-        cfg = self.config
-        with torch.no_grad(), replayed(self._model, start):
-            outputs, targets = call(closure)
-            after = self.loss(full_precision_outputs(outputs), targets).detach().double()
-        loss_after = float(self.curvature.mean_over_ranks(after[None])[0])
-        rho = (loss_after - loss_before) / predicted if predicted < 0 else -math.inf
+    def _adapt_damping(self, closure: Closure, before: float, predicted: float,
+                       start: RandomState) -> None:
+        """The LM rule on ``rho = (L(theta + delta) - L(theta)) / m0(delta)``."""
+        cfg, after = self.config, replayed_loss(self._model, closure, self.loss, start)
+        rho = ((float(self.curvature.mean_over_ranks(after[None])[0]) - before) / predicted
+               if predicted < 0 else -math.inf)
         self.damping = lm_damping(self.damping, rho, cfg.omega, cfg.min_damping, cfg.max_damping)
         self.last["rho"] = rho
 
     def quadratic_model(
-        self,
-        outputs: torch.Tensor,
-        params: list[torch.Tensor],
-        raw: list[torch.Tensor],
-        vectors: list[list[torch.Tensor]],
-        linearization: quadratic.JacobianProducts | None = None,
+        self, outputs: torch.Tensor, params: list[torch.Tensor], raw: list[torch.Tensor],
+        vectors: list[list[torch.Tensor]], linearization: quadratic.JacobianProducts | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``Q = V^T (C + (lambda + wd) I) V``, ``b = V^T g``, ``D = V^T V`` (float64).
 
@@ -390,8 +342,10 @@ class KFAC(torch.optim.Optimizer):
         self._arm()
 
     def _arm(self) -> None:  # whether the coming forward passes record statistics
-        s = self.steps
-        self.curvature.recording = s % self._schedules.integer("factor_update_steps", s) == 0
+        self.curvature.recording = recording = self._due("factor_update_steps")
+        # G's passes differentiate the hooked outputs only (kaisa.fisher.record_g)
+        self.curvature.recorder.keep_outputs = (
+            recording and self.config.curvature is not Curvature.EMPIRICAL)
 
     def _params(self) -> list[torch.Tensor]:
         """The trainable parameters (one frozen after construction is skipped)."""
@@ -399,8 +353,7 @@ class KFAC(torch.optim.Optimizer):
 
     def _current(self, name: str) -> float:
         """The fixed ``lr``/``momentum`` of this step (:func:`~kaisa.first_order.fixed_value`)."""
-        schedule = self.config.lr if name == "lr" else self.config.momentum
-        return fixed_value(name, schedule, self.param_groups, self.steps)
+        return fixed_value(name, getattr(self.config, name), self.param_groups, self.steps)
 
     def _sgd_update(self, params: list[torch.Tensor]) -> None:
         """``torch.optim.SGD`` (momentum, weight decay after preconditioning), exactly."""

@@ -38,6 +38,7 @@ __all__ = [
     "gram",
     "lm_damping",
     "minimise",
+    "minimise_over_ranks",
     "predicted_change",
     "quadratic_model",
     "solve",
@@ -254,6 +255,22 @@ def minimise(
         mu = coeffs[1].clamp(0.0, max_momentum)
         coeffs = torch.stack([-(lin[0] + quad[0, 1] * mu) / quad[0, 0], mu])
     return coeffs, predicted_change(quad, lin, squares, coeffs, damping)
+
+
+def minimise_over_ranks(
+    mean: Callable[[torch.Tensor], torch.Tensor], quad: torch.Tensor, lin: torch.Tensor,
+    squares: torch.Tensor, loss: torch.Tensor, damping: float, max_momentum: float | None,
+) -> tuple[torch.Tensor, float, float]:
+    """:func:`minimise` on ``Q`` and ``b`` averaged over ranks (one ``mean``, with the loss).
+
+    Returns:
+        ``(coefficients, predicted change, the loss averaged over ranks)``.
+    """
+    k = len(lin)
+    reduced = mean(torch.cat([quad.flatten(), lin, loss.detach().double()[None]]))
+    coeffs, predicted = minimise(reduced[: k * k].view(k, k), reduced[k * k : k * k + k],
+                                 squares, damping, max_momentum)
+    return coeffs, predicted, float(reduced[-1])
 
 
 def predicted_change(

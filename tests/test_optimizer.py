@@ -292,6 +292,61 @@ def test_mc_pass_that_builds_the_linearization_records_the_same_factors() -> Non
 
 
 
+@pytest.mark.parametrize("curvature", ["mc", "type2"])
+def test_g_passes_differentiate_only_the_hooked_outputs(curvature: str) -> None:
+    # G's backward passes ask for the gradients of the outputs the forward hooked, not the
+    # parameters': the weight gradients are computed once (the loss's pass), and every
+    # factor, direction and update equals the passes over the parameters bit for bit.
+    from kaisa.models.gpt import gpt
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return gpt(d_model=8, n_layers=1, n_heads=2, context=5, vocab_size=3)
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 3, (2, 5), generator=g), torch.randint(0, 3, (2, 5), generator=g)
+    runs = []
+    for keep in (True, False):
+        model = build()
+        opt = kaisa.KFAC(model, loss="cross_entropy", curvature=curvature, mc_samples=2,
+                         layer_kinds="all", inv_dtype=torch.float64, seed=1)
+        computed: list[torch.Tensor] = []
+        model.get_parameter("blocks.0.linear1.weight").register_hook(computed.append)
+        for _ in range(2):
+            opt.curvature.recorder.keep_outputs = keep  # False: the passes over the parameters
+            computed.clear()
+            opt.step(lambda model=model: (model(x), y))
+            assert not opt.curvature.recorder.kept_outputs  # nothing kept past the step
+        passes = 2 if curvature == "mc" else 3  # samples, or the classes (type-2 columns)
+        assert len(computed) == (1 if keep else 1 + passes)
+        runs.append((model, opt))
+    (m1, o1), (m2, o2) = runs
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    s1, s2 = o1.curvature.state_dict(), o2.curvature.state_dict()
+    assert s1.keys() == s2.keys()
+    for name, state in s1.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, s2[name][key]), (name, key)
+
+
+def test_upstream_edges_are_those_no_other_precedes() -> None:
+    from torch.autograd.graph import get_gradient_edge
+
+    from kaisa.fisher import upstream
+
+    w = torch.randn(3, 3, requires_grad=True)
+    h = torch.ones(2, 3) @ w
+    a, b = h.split([1, 2], dim=1)  # parts of one node: kept together
+    c = (a * 2 + b.sum()) @ w[:1]
+    side = torch.ones(2, 3) @ w.T  # a branch no other edge precedes
+    edges = [get_gradient_edge(t) for t in (c, a, b, side)]
+    assert upstream(edges) == [edges[1], edges[2], edges[3]]
+    assert upstream([edges[0], get_gradient_edge(h)]) == [get_gradient_edge(h)]
+    assert upstream([edges[0]]) == [edges[0]]
+
+
 # --------------------------------------------------------------------------- mixed precision
 
 
