@@ -27,7 +27,7 @@ from torch.distributed.tensor._utils import (
 
 __all__ = [
     "held_parts", "is_sharded", "local_rows", "refuse_sharded", "row_sources",
-    "rows_of", "rows_on", "take_held",
+    "rows_by_rank", "rows_of", "rows_on", "take_held",
 ]
 
 
@@ -84,6 +84,11 @@ def _rows_at(t: DTensor, coordinate: Sequence[int]) -> range:
     shape, offset = _compute_local_shape_and_global_offset(
         t.shape, tuple(t.device_mesh.mesh.shape), list(coordinate), t.placements)
     return range(offset[0], offset[0] + shape[0])
+
+
+def rows_by_rank(t: DTensor) -> dict[int, range]:
+    """:func:`rows_on` for every rank of ``t``'s mesh: ``global rank -> rows``."""
+    return {rank: _rows_at(t, c) for rank, c in _mesh_coordinates(t).items()}
 
 
 def rows_on(t: DTensor, rank: int) -> range:

@@ -38,7 +38,7 @@ from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.distributed.placement import Placement
 from kaisa.distributed.protocol import Communicator
 from kaisa.finite import all_finite
-from kaisa.shards import local_rows, row_sources, rows_on, take_held
+from kaisa.shards import row_sources, rows_by_rank, take_held
 
 __all__ = ["ShardedBlocks", "rounds"]
 
@@ -83,6 +83,7 @@ class _Plan:
         held: Per rank, the block's rows its shards hold (one piece per parameter).
         source: Per rank that is not a worker, the worker that sends it its rows.
         row_numel: Elements in one row of each parameter.
+        first: Per rank, the first row of each parameter its shard holds.
     """
 
     workers: tuple[int, ...]
@@ -91,6 +92,7 @@ class _Plan:
     held: tuple[tuple[_Piece, ...], ...]
     source: dict[int, int]
     row_numel: tuple[int, ...]
+    first: tuple[tuple[int, ...], ...]
 
 
 def _plan(block: CurvatureBlock, workers: Sequence[int], source: Callable[[int], int],
@@ -107,11 +109,16 @@ def _plan(block: CurvatureBlock, workers: Sequence[int], source: Callable[[int],
         lo = max(rows.start, covered[i].start)
         return range(lo, max(lo, min(rows.stop, covered[i].stop)))
 
-    def on(p: torch.Tensor, rank: int) -> range:
+    by_rank = []
+    for p in params:
         assert isinstance(p, DTensor)
-        return rows_on(p, rank)
-
-    held = tuple(tuple(_Piece(i, cap(on(p, r), i)) for i, p in enumerate(params))
+        spans = rows_by_rank(p)
+        if missing := [r for r in range(world) if r not in spans]:
+            raise ValueError(f"ranks {missing} are not on the device mesh {p.device_mesh} of "
+                             f"block {block.name!r}: kaisa needs every rank on every "
+                             "parameter's mesh")
+        by_rank.append(spans)
+    held = tuple(tuple(_Piece(i, cap(spans[r], i)) for i, spans in enumerate(by_rank))
                  for r in range(world))
     gather: dict[tuple[int, int], tuple[_Piece, ...]] = {}
     own: dict[int, tuple[_Piece, ...]] = {}
@@ -131,6 +138,7 @@ def _plan(block: CurvatureBlock, workers: Sequence[int], source: Callable[[int],
         workers=tuple(workers), gather=gather, own=own, held=held,
         source={r: source(r) for r in range(world) if r not in workers},
         row_numel=tuple(math.prod(p.shape[1:]) for p in params),
+        first=tuple(tuple(spans[r].start for spans in by_rank) for r in range(world)),
     )
 
 
@@ -228,8 +236,8 @@ class ShardedBlocks:
         grad = torch.cat([
             torch.zeros(len(piece.rows) * plan.row_numel[piece.index], dtype=dtype,
                         device=device)
-            if g is None else g[self._local_slice(p, piece)].reshape(-1)
-            for p, g, piece in zip(params, local, plan.held[rank], strict=True)
+            if g is None else g[self._local_slice(plan, piece)].reshape(-1)
+            for g, piece in zip(local, plan.held[rank], strict=True)
         ])
         if not plan.source:  # every rank is a worker
             if result is None:
@@ -263,10 +271,9 @@ class ShardedBlocks:
         return [Preconditioned(block, grad, direction, header[2] > 0, inner=header[0],
                                finite=header[1] > 0)]
 
-    @staticmethod
-    def _local_slice(param: torch.Tensor, piece: _Piece) -> slice:
-        assert isinstance(param, DTensor)
-        start = local_rows(param).start
+    def _local_slice(self, plan: _Plan, piece: _Piece) -> slice:
+        """Where ``piece`` (rows this rank holds) lies in this rank's local shard."""
+        start = plan.first[self._comm.rank][piece.index]
         return slice(piece.rows.start - start, piece.rows.stop - start)
 
     def _gather(self, plan: _Plan, params: Sequence[torch.Tensor],
@@ -279,7 +286,7 @@ class ShardedBlocks:
         def rows(piece: _Piece) -> torch.Tensor:
             g = local[piece.index]
             assert g is not None
-            return g[self._local_slice(params[piece.index], piece)]
+            return g[self._local_slice(plan, piece)]
 
         def nbytes(piece: _Piece) -> int:
             itemsize = params[piece.index].dtype.itemsize
