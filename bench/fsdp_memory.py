@@ -359,6 +359,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.plot(worlds, values, line, color=color, marker="o",
                     label=f"{wrap.upper() if wrap == 'ddp' else 'FSDP2'} "
                           f"{strategy.replace('_', '-').upper()}")
+        if key == "tensor_bytes_max_rank":  # the part no configuration divides
+            factors = max(r["memory_max_rank"]["factors"] for r in results["rows"]) / unit
+            ax.axhline(factors, color="gray", linestyle="--", linewidth=1)
+            ax.annotate("K-FAC running factors (every rank)", (1, factors), fontsize=7,
+                        color="gray", xytext=(0, 3), textcoords="offset points")
         ax.set_xlabel("ranks")
         ax.set_xticks(sorted({r["world"] for r in results["rows"]}))
         ax.set_title(title, fontsize=9)
