@@ -239,11 +239,6 @@ class ShardedBlocks:
             if g is None else g[self._local_slice(plan, piece)].reshape(-1)
             for g, piece in zip(local, plan.held[rank], strict=True)
         ])
-        if not plan.source:  # every rank is a worker
-            if result is None:
-                return []
-            return [Preconditioned(block, grad, block.held_rows(result), inner=header[0],
-                                   finite=header[1] > 0)]
         parts = None if result is None else block.split(result)
 
         def rows_of(r: int | None) -> torch.Tensor:
@@ -253,6 +248,12 @@ class ShardedBlocks:
                             for piece in plan.held[rank if r is None else r])
                 return torch.zeros(count, dtype=dtype, device=device)
             return take_held(params, parts, block.row_slices(), rank=r)
+
+        if not plan.source:  # every rank is a worker
+            if result is None:
+                return []
+            return [Preconditioned(block, grad, rows_of(None), inner=header[0],
+                                   finite=header[1] > 0)]
 
         chunks = {r: _pack([header, rows_of(r)], device)
                   for r, w in plan.source.items() if w == rank}
@@ -288,8 +289,10 @@ class ShardedBlocks:
             assert g is not None
             return g[self._local_slice(plan, piece)]
 
-        def nbytes(piece: _Piece) -> int:
-            itemsize = params[piece.index].dtype.itemsize
+        def nbytes(piece: _Piece) -> int:  # the gradients' dtype is the same on every rank
+            g = local[piece.index]
+            assert g is not None
+            itemsize = g.dtype.itemsize
             return _padded(len(piece.rows) * plan.row_numel[piece.index] * itemsize)
 
         chunks = {dst: _pack([rows(piece) for piece in pieces if present[piece.index]], device)
