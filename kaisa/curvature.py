@@ -43,7 +43,7 @@ from kaisa.coverage import FIRST_ORDER, coverage_line, parameter_coverage
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.distributed.agreement import check_same_on_ranks
 from kaisa.distributed.engine import BlockRule
-from kaisa.distributed.fsdp import held, rounds
+from kaisa.distributed.fsdp import rounds
 from kaisa.distributed.gather import gather_decompositions
 from kaisa.distributed.memory import large_factor_message
 from kaisa.hooks import StatisticsRecorder
@@ -258,21 +258,25 @@ class KFACCurvature:
             One entry per block with a gradient and a result, in model order.
         """
         with self.timed("preconditioning"):
-            out = []
+            out: list[Preconditioned] = []
+            rule = self._engine.preconditioning(damping)
             for names in rounds(self._blocks):  # all at once, or one block at a time (FSDP2)
                 matrices, local = {}, {}
                 for name in names:
                     block = self._blocks[name]
-                    own = self._engine.full_gradients(block.parameters(), grads)
-                    matrix = block.gradient_matrix(own)
+                    if block.sharded():  # its workers precondition it, each rank gets its rows
+                        out += self._engine.sharded(block, rule if not block.diagonal else (
+                            lambda b, m: b.precondition_diagonal(m, damping)), grads)
+                        continue
+                    matrix = block.gradient_matrix(_own(block, grads))
                     if matrix is None:
                         continue
                     if not block.diagonal:
                         matrices[name] = matrix
                     elif (direction := block.precondition_diagonal(matrix, damping)) is not None:
                         local[name] = Preconditioned(block, matrix, direction)
-                kron = {e.block.name: e for e in self._engine.precondition(matrices, damping)}
-                out += [held(kron.get(name) or local[name]) for name in names
+                kron = {e.block.name: e for e in self._engine.transform(matrices, rule)}
+                out += [kron.get(name) or local[name] for name in names
                         if name in kron or name in local]
             return out
 
@@ -294,15 +298,18 @@ class KFACCurvature:
             One entry per Kronecker block with a gradient and a result, in model order.
         """
         with self.timed("preconditioning"):
-            out = []
+            out: list[Preconditioned] = []
             for names in rounds(self._blocks):
                 matrices = {}
                 for name in names:
                     block = self._blocks[name]
-                    own = self._engine.full_gradients(block.parameters(), grads)
-                    if not block.diagonal and (matrix := block.gradient_matrix(own)) is not None:
+                    if block.diagonal:
+                        continue
+                    if block.sharded():
+                        out += self._engine.sharded(block, rule, grads)
+                    elif (matrix := block.gradient_matrix(_own(block, grads))) is not None:
                         matrices[name] = matrix
-                out += [held(e) for e in self._engine.transform(matrices, rule)]
+                out += self._engine.transform(matrices, rule)
             return out
 
     def end_step(self) -> None:
@@ -449,3 +456,8 @@ class KFACCurvature:
                 warnings.warn(msg, RuntimeWarning, stacklevel=5)
                 logger.warning(msg)
 
+
+def _own(block: CurvatureBlock, grads: Mapping[torch.Tensor, torch.Tensor] | None,
+         ) -> list[torch.Tensor | None] | None:
+    """The block's gradients from ``grads``, or ``None`` for its parameters' ``.grad``."""
+    return None if grads is None else [grads.get(p) for p in block.parameters()]

@@ -12,7 +12,9 @@ code runs with no communication. At fixed points of a step it
 * has the gradient workers precondition (or run a product's per-block rule, which may
   keep state with the block's decompositions: :meth:`~DistributedEngine.transform`) and,
   where some ranks are not gradient workers (MEM-OPT, HYBRID-OPT), broadcast the results
-  (:meth:`~DistributedEngine.precondition`).
+  (:meth:`~DistributedEngine.precondition`); for a block FSDP2 shards, gathers its
+  gradient to its workers only and sends each rank only its rows
+  (:meth:`~DistributedEngine.sharded`, :mod:`kaisa.distributed.fsdp`).
 
 It moves payloads; the math is the second-order method's
 (:class:`~kaisa.methods.SecondOrderMethod`), the statistics are the hooks'
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping
 from contextlib import AbstractContextManager
 from fractions import Fraction
 from typing import Any, TypeAlias
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.config import DistributedConfig
 from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
+from kaisa.distributed.fsdp import ShardedBlocks
 from kaisa.distributed.memory import (
     FactorSize,
     MemoryEstimate,
@@ -51,7 +54,6 @@ from kaisa.enums import Side
 from kaisa.finite import all_finite
 from kaisa.methods import Payload, SecondOrderMethod
 from kaisa.profiling import timed
-from kaisa.shards import full_tensor, is_sharded
 
 __all__ = ["BlockRule", "DistributedEngine"]
 
@@ -127,6 +129,7 @@ class DistributedEngine:
             w: receivers[self._grid.receiver_group_of(w)] for w in range(self._world)
         }
         self._pending_factors: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
+        self._sharded = ShardedBlocks(self._comm, self._placement, self._waiting)
         if self._world > 1 and self._rank == 0:
             logger.log(config.loglevel, "%s", self._placement.describe())
 
@@ -309,39 +312,37 @@ class DistributedEngine:
                 )
 
     # ------------------------------------------------------------------ gradients
-    def full_gradients(
-        self,
-        params: Sequence[torch.Tensor],
+    def sharded(
+        self, block: CurvatureBlock, rule: BlockRule,
         grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
-    ) -> list[torch.Tensor | None] | None:
-        """The gradients of one block's parameters, whole.
+    ) -> list[Preconditioned]:
+        """A block FSDP2 shards through ``rule``, each rank getting only its rows.
 
-        A parameter sharded by FSDP2 (a ``DTensor``) has its gradient gathered from its
-        shards (:func:`kaisa.shards.full_tensor`, a collective on its mesh: every rank
-        calls it for the same blocks in the same order).
+        Its full gradient is assembled on its gradient workers only; see
+        :class:`kaisa.distributed.fsdp.ShardedBlocks` (every rank calls it for the same
+        blocks in the same order).
 
         Args:
-            params: The block's parameters.
+            block: The block (its parameters ``DTensor`` objects).
+            rule: The per-block computation (:meth:`preconditioning` or a product's).
             grads: ``parameter -> gradient``; by default the parameters' ``.grad``.
 
         Returns:
-            One gradient per parameter (``None`` where there is none), or ``None`` for
-            "the parameters' ``.grad``" when nothing is sharded.
+            The block's entry, this rank's rows (or none).
         """
-        own = None if grads is None else [grads.get(p) for p in params]
-        if not any(is_sharded(p) for p in params):
-            return own
-        with self._waiting():
-            return [None if g is None else full_tensor(g)
-                    for g in (own if own is not None else [p.grad for p in params])]
+        return self._sharded.transform(block, rule, grads)
+
+    def preconditioning(self, damping: float) -> BlockRule:
+        """The method's preconditioning at ``damping``, as a block rule."""
+        method = self._method
+        return lambda layer, grad: method.precondition(
+            layer.decomposition, grad, damping, diagonal=layer.diagonal_sides)
 
     def precondition(
         self, gradients: Mapping[str, torch.Tensor], damping: float
     ) -> list[Preconditioned]:
         """:meth:`transform` with the method's preconditioning at ``damping``."""
-        method = self._method
-        return self.transform(gradients, lambda layer, grad: method.precondition(
-            layer.decomposition, grad, damping, diagonal=layer.diagonal_sides))
+        return self.transform(gradients, self.preconditioning(damping))
 
     def transform(
         self, gradients: Mapping[str, torch.Tensor], rule: BlockRule

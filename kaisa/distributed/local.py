@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -39,6 +39,20 @@ class LocalCommunicator:
         if src != 0:
             raise ValueError(f"src must be 0 in a single process, got {src}")
         return DoneHandle(tensor)
+
+    def exchange(
+        self,
+        chunks: Mapping[int, torch.Tensor],
+        sizes: Mapping[int, int],
+        *,
+        device: torch.device,
+        kind: str = "gradients",
+    ) -> dict[int, torch.Tensor]:
+        """Returns nothing (there is no other rank)."""
+        if any(r != 0 for r in (*chunks, *sizes)):
+            raise ValueError(f"a single process has no other rank, got chunks for "
+                             f"{sorted(chunks)} and sizes from {sorted(sizes)}")
+        return {}
 
     def flush(self) -> None:
         """Does nothing."""

@@ -13,7 +13,7 @@ deterministic function of the model and the placement, so this holds by construc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -101,6 +101,33 @@ class Communicator(Protocol):
 
         Returns:
             A handle whose ``wait()`` returns ``tensor`` filled with the data.
+        """
+        ...
+
+    def exchange(
+        self,
+        chunks: Mapping[int, torch.Tensor],
+        sizes: Mapping[int, int],
+        *,
+        device: torch.device,
+        kind: str = "gradients",
+    ) -> dict[int, torch.Tensor]:
+        """Sends each rank its own bytes and receives each rank's (blocking, all ranks).
+
+        An all-to-all with a chunk per pair of ranks (most may be empty): every rank
+        calls it at the same point, also with nothing to send or receive. Nothing goes
+        through the buckets.
+
+        Args:
+            chunks: ``destination rank -> 1-d uint8 tensor`` (other ranks only).
+            sizes: ``source rank -> bytes`` this rank receives from it (other ranks only;
+                the source's chunk for this rank has that size).
+            device: Where the buffers live (CUDA for NCCL).
+            kind: Counter key for :attr:`stats`.
+
+        Returns:
+            ``source rank -> 1-d uint8 tensor`` for every source with a size above 0,
+            views of one buffer at offsets in rank order.
         """
         ...
 

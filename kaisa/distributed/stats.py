@@ -14,8 +14,10 @@ class CommStats:
     Attributes:
         bytes_sent: Payload bytes handed to collectives, by kind. For an
             allreduce every rank counts the bucket size; for a broadcast only
-            the source rank counts it (receivers send nothing).
-        bytes_received: Broadcast payload bytes received, by kind.
+            the source rank counts it (receivers send nothing); for an all-to-all,
+            what this rank sends to the other ranks.
+        bytes_received: Broadcast payload bytes received, by kind (and the bytes an
+            all-to-all brings from other ranks).
         calls: Number of collectives launched, by kind.
         wait_seconds: Wall time spent blocked in ``wait()``, by kind.
     """
@@ -33,6 +35,12 @@ class CommStats:
     def add_received(self, kind: str, nbytes: int) -> None:
         """Records ``nbytes`` received in one broadcast of ``kind``."""
         self.bytes_received[kind] = self.bytes_received.get(kind, 0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def add_exchange(self, kind: str, sent: int, received: int) -> None:
+        """Records one all-to-all of ``kind``: bytes sent to and received from other ranks."""
+        self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
+        self.bytes_received[kind] = self.bytes_received.get(kind, 0) + received
         self.calls[kind] = self.calls.get(kind, 0) + 1
 
     def add_wait(self, kind: str, seconds: float) -> None:

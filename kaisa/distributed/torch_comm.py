@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -301,6 +301,47 @@ class TorchDistCommunicator:
         if self.rank not in key or len(key) == 1:
             return DoneHandle(tensor)
         return self._enqueue("broadcast", tensor, key, src, symmetric, kind)
+
+    def exchange(
+        self,
+        chunks: Mapping[int, torch.Tensor],
+        sizes: Mapping[int, int],
+        *,
+        device: torch.device,
+        kind: str = "gradients",
+    ) -> dict[int, torch.Tensor]:
+        """See :meth:`Communicator.exchange` (``all_to_all_single`` with uneven splits)."""
+        world = range(self.world_size)
+        if self.rank in chunks or self.rank in sizes or any(
+                r not in world for r in (*chunks, *sizes)):
+            raise ValueError(f"exchange takes other ranks of {self.world_size}, got chunks "
+                             f"for {sorted(chunks)} and sizes from {sorted(sizes)}")
+        send_sizes = [int(chunks[r].numel()) if r in chunks else 0 for r in world]
+        recv_sizes = [int(sizes.get(r, 0)) for r in world]
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        send = torch.cat([chunks[r] for r in world if r in chunks] or [empty])
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+        self.stats.add_exchange(kind, sum(send_sizes), sum(recv_sizes))
+        pg = self._group_handle(tuple(world))
+        work = dist.all_to_all_single(out, send, recv_sizes, send_sizes, group=pg,
+                                      async_op=True)
+        start = time.perf_counter()
+        try:
+            assert work is not None
+            work.wait()
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"K-FAC all-to-all of {kind} on ranks {list(world)} did not complete (a peer "
+                f"may have died or the process-group timeout {self.timeout} expired): {err}"
+            ) from err
+        finally:
+            self.stats.add_wait(kind, time.perf_counter() - start)
+        received, offset = {}, 0
+        for r, n in enumerate(recv_sizes):
+            if n:
+                received[r] = out[offset : offset + n]
+            offset += n
+        return received
 
     def flush(self) -> None:
         """Launches every open bucket, in creation order."""

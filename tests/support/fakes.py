@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +63,21 @@ class FakeCommunicator:
             else:
                 self.peer(call, tensor)
         return DoneHandle(tensor)
+
+    def exchange(
+        self,
+        chunks: Mapping[int, torch.Tensor],
+        sizes: Mapping[int, int],
+        *,
+        device: torch.device,
+        kind: str = "gradients",
+    ) -> dict[int, torch.Tensor]:
+        """Records the all-to-all; what arrives is zero bytes of the asked sizes."""
+        sent = sum(int(c.numel()) for c in chunks.values())
+        self.calls.append(Call("exchange", (sent,), None, tuple(range(self.world_size)),
+                               False, kind))
+        return {src: torch.zeros(n, dtype=torch.uint8, device=device)
+                for src, n in sizes.items() if n}
 
     def flush(self) -> None:
         self.flushes += 1
