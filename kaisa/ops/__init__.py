@@ -191,11 +191,11 @@ def _shifted_path(
     On the CPU, the factor of a stride-1, dilation-1, one-group convolution with a kernel
     larger than 1x1 is :func:`kaisa.ops._shifted.conv_covariance_shifted` (13 GEMMs of
     ``C`` columns for a 3x3 kernel instead of the compiled kernel's SYRK of ``9 C``
-    columns; ``bench/conv_factor.py`` times both); not while compiling (it plans in Python).
+    columns; ``bench/conv_factor.py`` times both). Its planning is in Python ints, so
+    ``torch.compile`` traces it like eager execution (tests/test_compile.py: bit-equal).
     """
     return (
         _use_ext("conv_covariance", x.device)
-        and not torch.compiler.is_compiling()
         and _shifted.supports_shifted(x, kernel_size, stride, dilation, groups)
     )
 
