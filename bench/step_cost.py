@@ -267,12 +267,12 @@ TASKS: dict[str, Callable[[bool], list[Runner]]] = {
 
 
 def selected(runners: list[Runner], configs: str | None) -> list[Runner]:
-    """The runners named in ``configs`` (comma-separated; all when ``None``) and their
-    baselines; a task with none of them selected keeps none."""
+    """The runners named in ``configs`` (comma-separated; all when ``None``), their
+    compiled-conv-kernel variants and their baselines; a task with none selected keeps none."""
     if configs is None:
         return runners
     names = {c.strip() for c in configs.split(",")}
-    keep = {r.name for r in runners if r.name in names}
+    keep = {r.name for r in runners if r.name.removesuffix(COMPILED_CONV) in names}
     keep |= {r.baseline for r in runners if r.name in keep and r.baseline is not None}
     return [r for r in runners if r.name in keep]
 

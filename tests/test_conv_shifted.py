@@ -77,30 +77,40 @@ def test_no_output_position_gives_zeros() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kernel", "stride", "dilation", "groups", "dtype", "device", "expected"),
+    ("shape", "kernel", "stride", "dilation", "groups", "dtype", "device", "expected"),
     [
-        ((3, 3), (1, 1), (1, 1), 1, torch.float32, "cpu", True),
-        ((3, 3), (1, 1), (1, 1), 1, torch.float64, "cpu", True),
-        ((1, 3), (1, 1), (1, 1), 1, torch.float32, "cpu", True),
-        ((1, 1), (1, 1), (1, 1), 1, torch.float32, "cpu", False),
-        ((3, 3), (2, 1), (1, 1), 1, torch.float32, "cpu", False),
-        ((3, 3), (1, 1), (1, 2), 1, torch.float32, "cpu", False),
-        ((3, 3), (1, 1), (1, 1), 2, torch.float32, "cpu", False),
-        ((3, 3), (1, 1), (1, 1), 1, torch.bfloat16, "cpu", False),
-        ((3, 3), (1, 1), (1, 1), 1, torch.float32, "meta", False),
+        ((64, 8, 8, 8), (3, 3), (1, 1), (1, 1), 1, torch.float32, "cpu", True),
+        ((64, 8, 8, 8), (3, 3), (1, 1), (1, 1), 1, torch.float64, "cpu", True),
+        ((64, 8, 8, 8), (1, 3), (1, 1), (1, 1), 1, torch.float32, "cpu", True),
+        ((64, 8, 8, 8), (1, 1), (1, 1), (1, 1), 1, torch.float32, "cpu", False),
+        ((64, 8, 8, 8), (3, 3), (2, 1), (1, 1), 1, torch.float32, "cpu", False),
+        ((64, 8, 8, 8), (3, 3), (1, 1), (1, 2), 1, torch.float32, "cpu", False),
+        ((64, 8, 8, 8), (3, 3), (1, 1), (1, 1), 2, torch.float32, "cpu", False),
+        ((64, 8, 8, 8), (3, 3), (1, 1), (1, 1), 1, torch.bfloat16, "cpu", False),
+        ((64, 8, 8, 8), (3, 3), (1, 1), (1, 1), 1, torch.float32, "meta", False),
+        ((64, 3, 8, 8), (3, 3), (1, 1), (1, 1), 1, torch.float32, "cpu", False),  # channels
+        ((256, 8, 4, 4), (3, 3), (1, 1), (1, 1), 1, torch.float32, "cpu", False),  # side
+        ((63, 8, 8, 8), (3, 3), (1, 1), (1, 1), 1, torch.float32, "cpu", False),  # positions
     ],
 )
-def test_supports(kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
-                  groups: int, dtype: torch.dtype, device: str, expected: bool) -> None:
-    x = torch.empty(2, 4, 6, 6, dtype=dtype, device=device)
-    assert supports_shifted(x, kernel, stride, dilation, groups) is expected
-    assert not supports_shifted(x[:0], kernel, stride, dilation, groups)
+def test_supports(shape: tuple[int, ...], kernel: tuple[int, int], stride: tuple[int, int],
+                  dilation: tuple[int, int], groups: int, dtype: torch.dtype, device: str,
+                  expected: bool) -> None:
+    x = torch.empty(*shape, dtype=dtype, device=device)
+    assert supports_shifted(x, kernel, stride, (1, 1), dilation, groups) is expected
+    assert not supports_shifted(x[:0], kernel, stride, (1, 1), dilation, groups)
+
+
+def test_positions_count_the_padding() -> None:
+    x = torch.empty(64, 8, 8, 8)  # 4096 output positions with padding 1, 2304 without
+    assert supports_shifted(x, (3, 3), (1, 1), (1, 1), (1, 1), 1)
+    assert not supports_shifted(x, (3, 3), (1, 1), (0, 0), (1, 1), 1)
 
 
 @pytest.mark.skipif(not HAS_EXT, reason="kaisa._C extension not available")
 @pytest.mark.parametrize("backend", ["ext", "torch"])
 def test_dispatch(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
-    """The ext backend takes the path on the CPU where supported; the torch backend never."""
+    """The ext backend takes the path on the CPU where it pays; the torch backend never."""
     calls: list[Any] = []
     real = _shifted.conv_covariance_shifted
 
@@ -109,11 +119,31 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
         return real(*args)
 
     monkeypatch.setattr(_shifted, "conv_covariance_shifted", spy)
-    x = torch.randn(2, 4, 7, 6, dtype=torch.float64)
+    x = torch.randn(64, 8, 8, 8, dtype=torch.float64)
     with ops.use_backend(backend):
         got = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 0.5)
         ops.conv_covariance(x, (3, 3), (2, 2), (1, 1), (1, 1), 1, True, 0.5)
         ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 2, True, 0.5)
+        ops.conv_covariance(x[:8], (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 0.5)
     assert len(calls) == (1 if backend == "ext" else 0)
     expected = ref.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 0.5)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_EXT, reason="kaisa._C extension not available")
+def test_traced_by_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Any] = []
+    real = _shifted.conv_covariance_shifted
+    monkeypatch.setattr(_shifted, "conv_covariance_shifted",
+                        lambda *args: calls.append(args) or real(*args))
+    x = torch.randn(64, 8, 8, 8)
+
+    def factor(t: torch.Tensor) -> torch.Tensor:
+        return ops.conv_covariance(t, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1 / 4096)
+
+    with ops.use_backend("ext"):
+        torch._dynamo.reset()
+        compiled = torch.compile(factor, fullgraph=True, backend="aot_eager")(x)
+        eager = factor(x)
+    assert len(calls) == 2  # traced once, run once
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

@@ -168,7 +168,7 @@ def conv_covariance(
     positions = [(xt.shape[2 + i] + 2 * pd[i] - dl[i] * (ks[i] - 1) - 1) // st[i] + 1
                  for i in (0, 1)]
     xt, f = prescaled(xt, xt.shape[0] * positions[0] * positions[1], s)
-    if _shifted_path(xt, ks, st, dl, g):
+    if _shifted_path(xt, ks, st, pd, dl, g):
         out: torch.Tensor = _shifted.conv_covariance_shifted(xt, ks, pd, bool(bias), s)
     elif _use_ext("conv_covariance", xt.device):
         out = torch.ops.kaisa.conv_covariance(
@@ -183,20 +183,22 @@ def _shifted_path(
     x: torch.Tensor,
     kernel_size: tuple[int, int],
     stride: tuple[int, int],
+    padding: tuple[int, int],
     dilation: tuple[int, int],
     groups: int,
 ) -> bool:
     """Whether the ext backend computes this conv factor by shifted correlations.
 
     On the CPU, the factor of a stride-1, dilation-1, one-group convolution with a kernel
-    larger than 1x1 is :func:`kaisa.ops._shifted.conv_covariance_shifted` (13 GEMMs of
+    larger than 1x1, large enough for it to pay (:func:`kaisa.ops._shifted.supports_shifted`),
+    is :func:`kaisa.ops._shifted.conv_covariance_shifted` (13 GEMMs of
     ``C`` columns for a 3x3 kernel instead of the compiled kernel's SYRK of ``9 C``
-    columns; ``bench/conv_factor.py`` times both). Its planning is in Python ints, so
-    ``torch.compile`` traces it like eager execution (tests/test_compile.py: bit-equal).
+    columns; ``bench/conv_factor.py`` times both). Its planning is in Python ints (no host
+    synchronisation), so ``torch.compile`` traces it (tests/test_conv_shifted.py).
     """
     return (
         _use_ext("conv_covariance", x.device)
-        and _shifted.supports_shifted(x, kernel_size, stride, dilation, groups)
+        and _shifted.supports_shifted(x, kernel_size, stride, padding, dilation, groups)
     )
 
 

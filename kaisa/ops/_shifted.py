@@ -33,29 +33,45 @@ from kaisa.dtypes import working_dtype
 
 __all__ = ["conv_covariance_shifted", "supports_shifted"]
 
-#: Rows per partial product of the whole-image sums: partial sums of this many products
-#: are added up, which keeps float32 rounding at the level of the blocked SYRK (one GEMM
-#: over all ``N H W`` rows of a 3-channel input is 40x less accurate).
+#: Most rows per partial product of the whole-image sums: partial sums of at most this
+#: many products are added up, which keeps float32 rounding at the level of the compiled
+#: kernel's (one GEMM over all ``N H W`` rows of a 3-channel input is 10-50x less accurate).
 _CHUNK = 8192
+
+
+#: Where the shifted path pays on the CPU (``bench/conv_factor.py --crossover``, one
+#: thread): at least this many input channels (3 never pays), image rows and columns (at
+#: 4x4 the boundary and the padding dominate) and output positions in the batch (below,
+#: the fixed cost of assembling ``(kh kw)^2`` blocks exceeds the SYRK it saves).
+MIN_CHANNELS, MIN_SIDE, MIN_POSITIONS = 8, 8, 4096
 
 
 def supports_shifted(
     x: torch.Tensor,
     kernel_size: tuple[int, int],
     stride: tuple[int, int],
+    padding: tuple[int, int],
     dilation: tuple[int, int],
     groups: int,
 ) -> bool:
-    """Whether :func:`conv_covariance_shifted` computes this convolution's A factor.
+    """Whether :func:`conv_covariance_shifted` computes this convolution's A factor, and pays.
 
     A kernel of more than one position (a 1x1 kernel has no shifts to share: its factor
     is one SYRK of the input, which the compiled kernel does without a copy), stride 1,
-    dilation 1, one group, a non-empty float32/float64 CPU input.
+    dilation 1, one group, a float32/float64 CPU input of at least :data:`MIN_CHANNELS`
+    channels, :data:`MIN_SIDE` rows and columns and :data:`MIN_POSITIONS` output positions.
+    (:func:`conv_covariance_shifted` itself is exact for any size.)
     """
+    if x.dim() != 4:
+        return False
+    n, c, h, w = x.shape
+    oh = h + 2 * padding[0] - kernel_size[0] + 1
+    ow = w + 2 * padding[1] - kernel_size[1] + 1
     return (
         kernel_size[0] * kernel_size[1] > 1 and stride == (1, 1) and dilation == (1, 1)
         and groups == 1 and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64) and x.numel() > 0
+        and x.dtype in (torch.float32, torch.float64) and c >= MIN_CHANNELS
+        and min(h, w) >= MIN_SIDE and oh > 0 and ow > 0 and n * oh * ow >= MIN_POSITIONS
     )
 
 
@@ -184,15 +200,16 @@ def _whole_image(
     lead = th * wp + tw  # zeros before image 0's own top rows, for the negative shifts
     length = (n - 1) * hp * wp + (h - 1) * wp + w  # image 0's first value to the last one
     chunks = -(-length // _CHUNK)
-    span = chunks * _CHUNK
+    rows = -(-length // chunks)  # at most _CHUNK, and fewer than `chunks` rows of padding
+    span = chunks * rows
     flat = x.new_zeros((lead + th * wp + span + th * wp + tw, c))
     flat[lead:lead + n * hp * wp].view(n, hp, wp, c)[:, th:, :w].copy_(x.permute(0, 2, 3, 1))
     first = lead + th * wp  # image 0, row 0, column 0
-    left = flat[first:first + span].view(chunks, _CHUNK, c).transpose(1, 2)
+    left = flat[first:first + span].view(chunks, rows, c).transpose(1, 2)
     sums: dict[tuple[int, int], torch.Tensor] = {}
     for a, b in shifts:
         if (-a, -b) not in sums:
             start = first + a * wp + b
-            right = flat[start:start + span].view(chunks, _CHUNK, c)
+            right = flat[start:start + span].view(chunks, rows, c)
             sums[(a, b)] = torch.bmm(left, right).sum(0)
     return torch.stack([sums[s] if s in sums else sums[(-s[0], -s[1])].t() for s in shifts])
