@@ -13,8 +13,11 @@ factors. This times, at batch 128 of CIFAR-size activations (the stride-1 3x3 la
 * ``unfold + matmul``: ``F.unfold`` patches and one ``P^T P`` (the reference).
 
 and each one's float32 error against the float64 reference (max |error| / max |entry|).
+``--crossover`` adds a scan of ``compiled`` against ``shifted`` over channels, image sides
+and batch sizes (best of 5): where :data:`kaisa.ops._shifted.MIN_CHANNELS`,
+``MIN_SIDE`` and ``MIN_POSITIONS`` come from.
 
-    python bench/conv_factor.py [--rounds 7] [--out bench/results/conv_factor.json]
+    python bench/conv_factor.py [--rounds 7] [--crossover] [--out bench/results/conv_factor.json]
 """
 
 from __future__ import annotations
@@ -61,11 +64,37 @@ def methods(x: torch.Tensor, scale: float) -> dict[str, Callable[[], torch.Tenso
     }
 
 
+def crossover(gen: torch.Generator) -> list[dict[str, Any]]:
+    """``compiled`` and ``shifted`` ms (best of 5) over channels, sides and batch sizes."""
+    rows = []
+    for channels, side in [(3, 32), (16, 32), (32, 16), (64, 8), (128, 8), (256, 4)]:
+        for batch in (2, 8, 16, 32, 64):
+            x = torch.randn(batch, channels, side, side, generator=gen)
+            best = {}
+            for name, fn in methods(x, 1.0).items():
+                if name not in ("compiled", "shifted"):
+                    continue
+                fn()
+                runs = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    fn()
+                    runs.append(time.perf_counter() - start)
+                best[name] = 1e3 * min(runs)
+            rows.append({"channels": channels, "side": side, "batch": batch,
+                         "positions": batch * side * side, "best_ms": best,
+                         "speedup": best["compiled"] / best["shifted"]})
+            print(f"  C={channels} {side}x{side} batch {batch}: compiled "
+                  f"{best['compiled']:.2f} ms, shifted {best['shifted']:.2f} ms", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Times every method at every shape; prints a table and writes the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "conv_factor.json")
     args = parser.parse_args(argv)
@@ -110,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"C={channels:3d} {side}x{side} (x{layers}): "
               + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()), flush=True)
     results["ms_per_factor_step"] = totals
+    if args.crossover:
+        results["crossover"] = crossover(gen)
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     print("all stride-1 3x3 layers of one ResNet-32 factor step: "
           + ", ".join(f"{n} {v:.0f} ms" for n, v in totals.items()))
