@@ -34,9 +34,11 @@ from kaisa.dtypes import working_dtype
 __all__ = ["conv_covariance_shifted", "supports_shifted"]
 
 #: Most rows per partial product of the whole-image sums: partial sums of at most this
-#: many products are added up, which keeps float32 rounding at the level of the compiled
-#: kernel's (one GEMM over all ``N H W`` rows of a 3-channel input is 10-50x less accurate).
-_CHUNK = 8192
+#: many products are added up. One GEMM over all ``N H W`` rows of a 3-channel input was
+#: 10-50x less accurate in float32 than the compiled kernel, and 8192-row chunks still 10x
+#: on a constant input near float32's range; 1024 is as accurate as the compiled kernel
+#: or more on both (``tests/test_conv_shifted.py``), at no measurable cost.
+_CHUNK = 1024
 
 
 #: Where the shifted path pays on the CPU (``bench/conv_factor.py --crossover``, one
