@@ -31,6 +31,14 @@ allocator's bytes).
 
     python bench/step_cost.py                    # the full run (tens of minutes on 1 core)
     python bench/step_cost.py --smoke --out /tmp/s.json   # tiny sizes, a few steps
+    python bench/step_cost.py --tasks resnet32,gpt --configs "kfac_pre 10/100 + sgd,\
+        kfac_pre 1/10 + sgd,kfac_pre 10/100 + adamw" --conv-variants \
+        --before bench/results/step_cost.json --out bench/results/step_cost_after.json
+
+``--configs`` runs only the named configurations (and their baselines); ``--conv-variants``
+adds each ResNet K-FAC schedule with the compiled conv kernel in place of the shifted
+correlations of ``kaisa.ops._shifted`` (the same run's "before" of that change);
+``--before`` prints an earlier JSON's ratios beside the new ones.
 
 Writes ``bench/results/step_cost.json`` and a stacked-bar plot beside it (``.png``).
 """
@@ -46,7 +54,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,15 +142,42 @@ def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def resnet_runners(smoke: bool) -> list[Runner]:
-    """SGD and two KFACPreconditioner schedules on ResNet-32."""
+#: Suffix of a configuration whose conv A factors take the compiled CPU kernel
+#: (``--conv-variants``): the ResNet rows as they were before ``kaisa.ops._shifted``.
+COMPILED_CONV = " [compiled conv kernel]"
+
+
+@contextmanager
+def compiled_conv_kernel() -> Iterator[None]:
+    """Conv A factors through the compiled kernel, not the shifted-correlation path.
+
+    Patches the private dispatch predicate of :func:`kaisa.ops.conv_covariance` for the
+    duration (a benchmark-only switch: the same-run "before" of that change).
+    """
+    saved = kaisa.ops._shifted_path
+    kaisa.ops._shifted_path = lambda *args: False
+    try:
+        yield
+    finally:
+        kaisa.ops._shifted_path = saved
+
+
+def resnet_runners(smoke: bool, conv_variants: bool = False) -> list[Runner]:
+    """SGD and two KFACPreconditioner schedules on ResNet-32.
+
+    ``conv_variants``: each K-FAC schedule also with the compiled conv kernel.
+    """
     batch, side = (4, 8) if smoke else (128, 32)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(batch, 3, side, side, generator=gen),
                 torch.randint(0, 10, (batch,), generator=gen)) for _ in range(4)]
     runners = []
-    for name, every in (("sgd", None), ("kfac_pre 10/100 + sgd", (10, 100)),
-                        ("kfac_pre 1/10 + sgd", (1, 10))):
+    configs: list[tuple[str, tuple[int, int] | None, bool]] = [("sgd", None, False)]
+    for name, every in (("kfac_pre 10/100 + sgd", (10, 100)), ("kfac_pre 1/10 + sgd", (1, 10))):
+        configs.append((name, every, False))
+        if conv_variants:
+            configs.append((name + COMPILED_CONV, every, True))
+    for name, every, compiled in configs:
         torch.manual_seed(0)
         model = models.resnet32(num_classes=10)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -151,10 +187,19 @@ def resnet_runners(smoke: bool) -> list[Runner]:
             continue
         pre = kaisa.KFACPreconditioner(model, factor_update_steps=every[0],
                                        inv_update_steps=every[1], lr=0.1)
-        runners.append(Runner(name, "sgd",
-                              first_order_step(model, F.cross_entropy, batches, opt, pre),
-                              *schedule(F=every[0], I=every[1]), state_of(pre)))
+        step = first_order_step(model, F.cross_entropy, batches, opt, pre)
+        if compiled:
+            step = (lambda inner: lambda i: _in(compiled_conv_kernel, inner, i))(step)
+        runners.append(Runner(name, "sgd", step, *schedule(F=every[0], I=every[1]),
+                              state_of(pre)))
     return runners
+
+
+def _in(context: Callable[[], AbstractContextManager[None]], step: Callable[[int], None],
+        i: int) -> None:
+    """``step(i)`` inside ``context()``."""
+    with context():
+        step(i)
 
 
 def autoencoder_runners(smoke: bool) -> list[Runner]:
@@ -222,6 +267,17 @@ def gpt_runners(smoke: bool) -> list[Runner]:
 TASKS: dict[str, Callable[[bool], list[Runner]]] = {
     "resnet32": resnet_runners, "autoencoder": autoencoder_runners, "gpt": gpt_runners,
 }
+
+
+def selected(runners: list[Runner], configs: str | None) -> list[Runner]:
+    """The runners named in ``configs`` (comma-separated; all when ``None``), their
+    compiled-conv-kernel variants and their baselines; a task with none selected keeps none."""
+    if configs is None:
+        return runners
+    names = {c.strip() for c in configs.split(",")}
+    keep = {r.name for r in runners if r.name.removesuffix(COMPILED_CONV) in names}
+    keep |= {r.baseline for r in runners if r.name in keep and r.baseline is not None}
+    return [r for r in runners if r.name in keep]
 
 
 def run_task(runners: list[Runner], warmup: int, rounds: int, per_round: int) -> None:
@@ -318,10 +374,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--replot", action="store_true",
                         help="only print the table and redraw the plot of --out")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated configuration names to run (with their baselines)")
+    parser.add_argument("--conv-variants", action="store_true",
+                        help="also run each ResNet K-FAC schedule with the compiled conv kernel")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="an earlier result JSON: its ratios printed beside these")
     args = parser.parse_args(argv)
+    before = json.loads(args.before.read_text()) if args.before is not None else None
     if args.replot:
         saved: dict[str, Any] = json.loads(args.out.read_text())
-        print(table(saved))
+        print(table(saved, before))
         plot(saved, args.out.with_suffix(".png"))
         return saved
     if args.smoke:
@@ -345,7 +408,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     measured: dict[str, list[Runner]] = {}
     for task in args.tasks.split(","):
-        runners = TASKS[task](args.smoke)
+        runners = selected(resnet_runners(args.smoke, True)
+                           if task == "resnet32" and args.conv_variants
+                           else TASKS[task](args.smoke), args.configs)
+        if not runners:
+            continue
         print(f"[{task}] {', '.join(r.name for r in runners)}", flush=True)
         run_task(runners, args.warmup, args.rounds, args.round_steps)
         measured[task] = runners
@@ -373,7 +440,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 entry["ratio"] = entry["ms_per_step"] / (base["ms_per_step"] or math.nan)
         results["tasks"][task] = entries
     results["machine"]["loadavg_end"] = list(os.getloadavg())
-    print(table(results))
+    if before is not None:
+        results["before"] = str(args.before)
+    print(table(results, before))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     if not args.no_plot:

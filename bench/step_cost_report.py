@@ -48,10 +48,17 @@ def categorise(seconds: dict[tuple[str, ...], float]) -> dict[str, float]:
     return out
 
 
-def table(results: dict[str, Any]) -> str:
-    """The ratio table (Markdown) and, per configuration, its three largest categories."""
-    lines = ["| task | configuration | ms/step | ratio | target | issue's | peak RSS rise MiB "
-             "| K-FAC state MiB | largest phases (ms) |", "|---" * 9 + "|"]
+def table(results: dict[str, Any], before: dict[str, Any] | None = None) -> str:
+    """The ratio table (Markdown) and, per configuration, its three largest categories.
+
+    ``before``: an earlier result of the same benchmark; its ratio for the same task and
+    configuration is shown beside the new one (``-`` where it has none).
+    """
+    head = "| task | configuration | ms/step | ratio |"
+    if before is not None:
+        head += " before |"
+    head += " target | issue's | peak RSS rise MiB | K-FAC state MiB | largest phases (ms) |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for task, entries in results["tasks"].items():
         for name, e in entries.items():
             target, today = TARGETS.get((task, name), (None, None))
@@ -59,9 +66,12 @@ def table(results: dict[str, Any]) -> str:
             peak = max(e["peak_rss_rise_mib_by_label"].values(), default=float("nan"))
             top = sorted(e["ms_by_category"].items(), key=lambda kv: -kv[1])[:3]
             shown = "" if ratio is None else f"{ratio:.2f}x {e['baseline']}"
+            row = f"| {task} | {name} | {e['ms_per_step']:.1f} | {shown} |"
+            if before is not None:
+                old = before["tasks"].get(task, {}).get(name, {}).get("ratio")
+                row += " - |" if old is None else f" {old:.2f}x |"
             lines.append(
-                f"| {task} | {name} | {e['ms_per_step']:.1f} | {shown} | "
-                f"{'' if target is None else f'<= {target:g}'} | "
+                row + f" {'' if target is None else f'<= {target:g}'} | "
                 f"{'' if today is None else f'{today:g}'} | {peak:.0f} | "
                 f"{e['kfac_state_mib']:.1f} | "
                 + ", ".join(f"{k} {v:.1f}" for k, v in top if v > 0) + " |"

@@ -285,16 +285,35 @@ def test_conv_covariance_ext_non_contiguous(ext_backend: None, layout: str, case
     torch.testing.assert_close(got, expected, **_tol(torch.float32))
 
 
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_compiled_conv_kernel_matches_reference(ext_backend: None, case: Any) -> None:
+    # The CPU kernel itself: the wrapper sends stride-1 cases to kaisa.ops._shifted.
+    shape, k, s, p, d, g = case
+    x = torch.randn(*shape, dtype=torch.float64)
+    got = torch.ops.kaisa.conv_covariance(x, list(k), list(s), list(p), list(d), g, True, 0.5)
+    torch.testing.assert_close(got, ref.conv_covariance(x, k, s, p, d, g, True, 0.5),
+                               **_tol(torch.float64))
+    assert torch.equal(got, got.transpose(1, 2))
+
+
 def test_conv_covariance_ext_multi_tile(ext_backend: None) -> None:
-    # Large enough for several im2col tiles (and worker accumulators).
+    # Large enough for several im2col tiles (and worker accumulators): the kernel itself.
     x = torch.randn(24, 16, 40, 40, dtype=torch.float64)
-    got = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
+
+    def kernel() -> torch.Tensor:
+        out: torch.Tensor = torch.ops.kaisa.conv_covariance(
+            x, [3, 3], [1, 1], [1, 1], [1, 1], 1, True, 1e-3)
+        return out
+
+    got = kernel()
     expected = ref.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
     torch.testing.assert_close(got, expected, **_tol(torch.float64))
+    torch.testing.assert_close(ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True,
+                                                   1e-3), expected, **_tol(torch.float64))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        got1 = ops.conv_covariance(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, True, 1e-3)
+        got1 = kernel()
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(got1, expected, **_tol(torch.float64))

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kaisa.ops import _backend, _reference
+from kaisa.ops import _backend, _reference, _shifted
 from kaisa.ops._backend import (
     BACKENDS,
     _use_ext,
@@ -141,7 +141,9 @@ def conv_covariance(
     column (the order of ``weight.view(out_channels, -1)``), followed by a ones
     column when ``bias``. The extension never materialises the whole patch
     matrix: it unfolds tiles of images into a reused buffer and accumulates
-    upper-triangle blocks.
+    upper-triangle blocks. On the CPU, the ext backend computes a stride-1,
+    dilation-1, one-group float32/float64 factor from shifted channel
+    correlations instead (:mod:`kaisa.ops._shifted`; equal up to float rounding).
 
     Args:
         x: (N, C, H, W) convolution input.
@@ -166,13 +168,38 @@ def conv_covariance(
     positions = [(xt.shape[2 + i] + 2 * pd[i] - dl[i] * (ks[i] - 1) - 1) // st[i] + 1
                  for i in (0, 1)]
     xt, f = prescaled(xt, xt.shape[0] * positions[0] * positions[1], s)
-    if _use_ext("conv_covariance", xt.device):
-        out: torch.Tensor = torch.ops.kaisa.conv_covariance(
+    if _shifted_path(xt, ks, st, pd, dl, g):
+        out: torch.Tensor = _shifted.conv_covariance_shifted(xt, ks, pd, bool(bias), s)
+    elif _use_ext("conv_covariance", xt.device):
+        out = torch.ops.kaisa.conv_covariance(
             xt, list(ks), list(st), list(pd), list(dl), g, bool(bias), s
         )
     else:
         out = _reference.conv_covariance(xt, ks, st, pd, dl, g, bool(bias), s)
     return rescaled(out, f, bias=bool(bias))
+
+
+def _shifted_path(
+    x: torch.Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    groups: int,
+) -> bool:
+    """Whether the ext backend computes this conv factor by shifted correlations.
+
+    On the CPU, the factor of a stride-1, dilation-1, one-group convolution with a kernel
+    larger than 1x1, large enough for it to pay (:func:`kaisa.ops._shifted.supports_shifted`),
+    is :func:`kaisa.ops._shifted.conv_covariance_shifted` (13 GEMMs of
+    ``C`` columns for a 3x3 kernel instead of the compiled kernel's SYRK of ``9 C``
+    columns; ``bench/conv_factor.py`` times both). Its planning is in Python ints (no host
+    synchronisation), so ``torch.compile`` traces it (tests/test_conv_shifted.py).
+    """
+    return (
+        _use_ext("conv_covariance", x.device)
+        and _shifted.supports_shifted(x, kernel_size, stride, padding, dilation, groups)
+    )
 
 
 @_fake("conv_covariance")
