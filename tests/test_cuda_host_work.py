@@ -164,9 +164,10 @@ def _workspaces() -> list[str]:
 @pytest.mark.parametrize("conv", [False, True])
 @pytest.mark.parametrize("sms", [1, 132])
 def test_covariance_workspace_only_when_split(
-    backend: Backend, sms: int, conv: bool, dtype: torch.dtype
+    backend: Backend, sms: int, conv: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _emulated_only(backend)
+    monkeypatch.setenv("KAISA_COVARIANCE_IMPL", "fused")  # the fused kernel's workspace
     previous = torch.ops.simt.set_sm_count(sms)
     try:
         if conv:
