@@ -163,8 +163,8 @@ def test_covariance_rejects_bad_env(
 # --------------------------------------------------------------------------- #
 
 # A ResNet-like 3x3 conv at a small batch: d = 576, 2048 rows. The model's estimate on
-# an H100: fused ~22 us (SIMT fp32); GEMM ~16 us with bf16/fp16 tensor cores, ~12 us
-# with TF32, ~42 us with IEEE fp32 (SIMT, twice the flops of the upper tiles).
+# an H100: fused ~27 us (SIMT fp32); GEMM ~16 us with bf16/fp16 tensor cores, ~20 us
+# with TF32, ~49 us with IEEE fp32 (SIMT, twice the flops of the upper tiles).
 RESNET_CASE: ConvOpCase = ((8, 64, 16, 16), (3, 3), (1, 1), (1, 1), (1, 1), 1)
 
 

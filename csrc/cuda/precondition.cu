@@ -334,13 +334,10 @@ at::Tensor precondition_16bit_cuda(const at::Tensor& grad, const at::Tensor& qa,
   if (result.numel() > 0) {
     at::Tensor t = at::empty(result.sizes(), g.options().dtype(at::kFloat));
     at::Tensor v = at::empty_like(t);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(),
-                                    "kaisa_precondition_16bit", [&] {
-      if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
-        precondition_16bit<scalar_t>(g, qa_b, qg_b, dgda.has_value() ? nullptr : &dg_c,
-                                     dgda.has_value() ? nullptr : &da_c,
-                                     dgda.has_value() ? &dgda_c : nullptr, damping, t, v, result);
-      }
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(g.scalar_type(), "kaisa_precondition_16bit", [&] {
+      precondition_16bit<scalar_t>(g, qa_b, qg_b, dgda.has_value() ? nullptr : &dg_c,
+                                   dgda.has_value() ? nullptr : &da_c,
+                                   dgda.has_value() ? &dgda_c : nullptr, damping, t, v, result);
     });
   }
   return unbatched ? result.squeeze(0) : result;
