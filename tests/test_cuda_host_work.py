@@ -156,17 +156,22 @@ def test_syevj_max_n_must_be_a_count(backend: Backend, monkeypatch: pytest.Monke
 
 
 def _workspaces() -> list[str]:
-    """Allocations of four dimensions: the [split][group][d][d] partial tiles."""
-    return [e for e in _log("alloc") if e.split("shape=[")[1].count(",") == 3]
+    """``empty`` allocations of four dimensions: the [split][group][d][d] partial tiles.
+
+    (Not the ``by aten::...`` copies, e.g. the input's upload inside the timed call.)
+    """
+    return [e for e in _log("alloc")
+            if " by " not in e and e.split("shape=[")[1].count(",") == 3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("conv", [False, True])
 @pytest.mark.parametrize("sms", [1, 132])
 def test_covariance_workspace_only_when_split(
-    backend: Backend, sms: int, conv: bool, dtype: torch.dtype
+    backend: Backend, sms: int, conv: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _emulated_only(backend)
+    monkeypatch.setenv("KAISA_COVARIANCE_IMPL", "fused")  # the fused kernel's workspace
     previous = torch.ops.simt.set_sm_count(sms)
     try:
         if conv:
@@ -263,3 +268,40 @@ def test_eigen_precondition_division_grid(
     for out in runs:
         assert out.shape == grad.shape and out.dtype == dtype
         assert (out.double() - expected).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("use_dgda", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_eigen_precondition_makes_no_fp32_copies_of_16_bit_bases(
+    backend: Backend, dtype: torch.dtype, use_dgda: bool
+) -> None:
+    """16-bit QA / QG (and the gradient) are read as they are: no fp32 copy per call.
+
+    A cache of converted copies keyed on the tensor's version counter would be unsafe
+    (collectives write without bumping it), so the products read 16-bit operands and
+    accumulate in fp32; the only fp32 buffers are the two (b, m, n) intermediates (and
+    the small fp32 eigenvalue vectors or the (b, m, n) reciprocal).
+    """
+    _emulated_only(backend)
+    b, m, n = 2, 24, 40
+    grad = _rand((b, m, n), dtype)
+    qa = torch.linalg.qr(torch.randn(b, n, n, dtype=torch.float64))[0].to(dtype)
+    qg = torch.linalg.qr(torch.randn(b, m, m, dtype=torch.float64))[0].to(dtype)
+    da = torch.rand(b, n).to(dtype)
+    dg = torch.rand(b, m).to(dtype)
+    dgda = (1.0 / (dg.double().unsqueeze(-1) * da.double().unsqueeze(-2) + 0.03)).to(dtype)
+    args = [backend.to_device(t) for t in (grad, qa, qg)]
+    factors = [None, None, backend.to_device(dgda)] if use_dgda else [
+        backend.to_device(da), backend.to_device(dg), None]
+    torch.ops.simt.synchronize()
+    torch.ops.simt.clear_launch_log()
+    out = backend.ops().eigen_precondition(*args, *factors, 0.03)
+    allocs = _log("alloc")
+    fp32 = [e for e in allocs if e.startswith("alloc dtype=Float ")]
+    assert not [e for e in fp32 if f"[{b}, {n}, {n}]" in e or f"[{b}, {m}, {m}]" in e], allocs
+    assert len([e for e in fp32 if f"[{b}, {m}, {n}]" in e]) == 2 + use_dgda, allocs
+    expected = ref.eigen_precondition(grad.double(), qa.double(), qg.double(),
+                                      None if use_dgda else da.double(),
+                                      None if use_dgda else dg.double(),
+                                      dgda.double() if use_dgda else None, 0.03)
+    _assert_close_rel(out.cpu(), expected, dtype)

@@ -115,8 +115,10 @@ def _check_covariance(backend: Backend, x: torch.Tensor, bias: bool, scale: floa
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape,split", LINEAR_SHAPES, ids=[f"{r}x{d}" for (r, d), _ in LINEAR_SHAPES])
 def test_covariance(
-    backend: Backend, shape: tuple[int, int], split: bool, bias: bool, dtype: torch.dtype
+    backend: Backend, shape: tuple[int, int], split: bool, bias: bool, dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("KAISA_COVARIANCE_IMPL", "fused")  # the GEMM path: its own test file
     _check_covariance(backend, _rand(shape, dtype), bias, 1.0 / max(shape[0], 1))
     if backend.emulated and shape[1] + bias > 0:
         (grid,) = backend.launches("gram_tile_kernel")
@@ -192,8 +194,11 @@ def test_conv_covariance_resnet_stage_shape(backend: Backend) -> None:
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_conv_covariance_split_k(backend: Backend, split: bool) -> None:
+def test_conv_covariance_split_k(
+    backend: Backend, split: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The stem conv (d = 147, 6 tile pairs) splits its 1352 rows on a large GPU only."""
+    monkeypatch.setenv("KAISA_COVARIANCE_IMPL", "fused")
     case: ConvOpCase = ((2, 3, 52, 52), (7, 7), (2, 2), (3, 3), (1, 1), 1)
     if not backend.emulated:
         _check_conv(backend, _rand(case[0], torch.float32), case, True)

@@ -147,3 +147,55 @@ def test_in_place_ops_return_the_device_tensor() -> None:
     d = dev(torch.arange(6.0))
     assert d.add_(1) is d
     assert torch.equal(d.cpu(), torch.arange(1.0, 7.0))
+
+
+# cublasComputeType_t / cublasStatus_t values (cuBLAS's)
+_COMPUTE_32F, _COMPUTE_64F, _COMPUTE_32F_FAST_TF32 = 68, 70, 77
+_SUCCESS, _INVALID_VALUE, _NOT_SUPPORTED = 0, 7, 15
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_fake_cublas_gemm_ex_is_column_major(ta: bool, tb: bool, dtype: torch.dtype) -> None:
+    """C = alpha op(A) op(B) + beta C, every matrix column-major in a padded leading dimension."""
+    m, n, k, pad = 5, 3, 4, 2
+    # column-major X (rows x cols) with leading dimension ld: the row-major (cols, ld) buffer
+    a_rows, a_cols = (k, m) if ta else (m, k)
+    b_rows, b_cols = (n, k) if tb else (k, n)
+    a = torch.randn(a_cols, a_rows + pad).to(dtype)
+    b = torch.randn(b_cols, b_rows + pad).to(dtype)
+    c_type = torch.float64 if dtype == torch.float64 else torch.float32
+    c = torch.randn(n, m + pad, dtype=c_type)
+    compute = _COMPUTE_64F if dtype == torch.float64 else _COMPUTE_32F
+    cd = dev(c)
+    status = torch.ops.simt_selftest.gemm_ex(dev(a), dev(b), cd, m, n, k, ta, tb, a_rows + pad,
+                                             b_rows + pad, m + pad, 0.5, 2.0, compute)
+    assert status == _SUCCESS
+    am = a.double()[:, :a_rows].T  # the column-major matrix
+    bm = b.double()[:, :b_rows].T
+    want = 0.5 * (am.T if ta else am) @ (bm.T if tb else bm) + 2.0 * c.double()[:, :m].T
+    got = cd.cpu()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got[:, :m].T.double(), want, rtol=tol, atol=tol)
+    assert torch.equal(got[:, m:], c[:, m:]), "wrote outside the leading dimension's rows"
+
+
+@pytest.mark.parametrize("lda,ldb,ldc", [(4, 4, 5), (5, 3, 5), (5, 4, 4), (0, 4, 5)])
+def test_fake_cublas_gemm_ex_rejects_short_leading_dimensions(lda: int, ldb: int, ldc: int) -> None:
+    """m = 5, n = 3, k = 4, op N / N: lda >= 5, ldb >= 4, ldc >= 5, as cuBLAS documents."""
+    a, b, c = dev(torch.zeros(4, 5)), dev(torch.zeros(3, 5)), dev(torch.zeros(3, 5))
+    status = torch.ops.simt_selftest.gemm_ex(a, b, c, 5, 3, 4, False, False, lda, ldb, ldc, 1.0,
+                                             0.0, _COMPUTE_32F)
+    assert status == _INVALID_VALUE
+
+
+def test_fake_cublas_gemm_ex_rejects_unlisted_type_combinations() -> None:
+    half, single = dev(torch.zeros(4, 4, dtype=torch.float16)), dev(torch.zeros(4, 4))
+    args = (4, 4, 4, False, False, 4, 4, 4, 1.0, 0.0)
+    # TF32 compute needs fp32 A/B; 16-bit A with an fp32 B is no cuBLAS combination
+    assert torch.ops.simt_selftest.gemm_ex(half, half, single, *args, _COMPUTE_32F_FAST_TF32) == (
+        _NOT_SUPPORTED)
+    assert torch.ops.simt_selftest.gemm_ex(half, single, single, *args, _COMPUTE_32F) == (
+        _NOT_SUPPORTED)
+    assert torch.ops.simt_selftest.gemm_ex(single, single, single, *args, _COMPUTE_64F) == (
+        _NOT_SUPPORTED)

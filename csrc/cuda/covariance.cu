@@ -16,10 +16,24 @@
 // to the output dtype and mirrors the upper tiles into the lower triangle
 // (exactly symmetric result). Without a split there is no workspace and no
 // second kernel: the tile kernel writes the scaled, cast tile and its mirror
-// into the output. See docs/cuda-kernels.md.
+// into the output.
+//
+// A second path computes the same result with cuBLAS GEMMs (tensor cores): the
+// rows of P are processed in chunks, each chunk's patches packed (im2col) into a
+// workspace and accumulated with cublasGemmEx (beta = 1 after the first chunk)
+// into an fp32 / fp64 accumulator, which the finalize kernel scales, mirrors and
+// casts. A cost model (CovarianceChoice) picks the path from the shapes, the dtype
+// and torch's fp32 matmul precision; KAISA_COVARIANCE_IMPL=auto|fused|gemm forces
+// one. See docs/cuda-kernels.md.
 #include "common.cuh"
 
+#include <ATen/Context.h>
+#include <cublas_v2.h>
+
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 namespace kaisa::cuda {
@@ -311,6 +325,29 @@ __global__ void __launch_bounds__(kFinTile* kFinRows)
   }
 }
 
+// out (groups, d, d) = scale * (sum over the splits of ws[split][group]), its
+// upper triangle mirrored, cast to out's dtype: the finalize kernel on the
+// current stream. ws: (splits, groups, d, d), fp32 or fp64.
+void launch_finalize(const at::Tensor& ws, const at::Tensor& out, int d, int groups, int splits,
+                     double scale) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int ft = ceil_div(d, kFinTile);
+  const dim3 fgrid(static_cast<unsigned>(ft), static_cast<unsigned>(ft),
+                   static_cast<unsigned>(groups));
+  const dim3 fblock(kFinTile, kFinRows);
+  AT_DISPATCH_FLOATING_TYPES(ws.scalar_type(), "kaisa_gram_finalize_acc", [&] {
+    using acc_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, out.scalar_type(), "kaisa_gram_finalize_out", [&] {
+          using out_t = scalar_t;
+          finalize_kernel<acc_t, out_t><<<fgrid, fblock, 0, stream>>>(
+              ws.const_data_ptr<acc_t>(), out.mutable_data_ptr<out_t>(), d, splits,
+              static_cast<acc_t>(scale));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+  });
+}
+
 // Runs the Gram kernel for x with geometry g over `groups` groups and writes
 // the finished (groups, d, d) result scale * cov into `out` (contiguous, on
 // x's device).
@@ -365,22 +402,258 @@ void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, boo
         }
       });
   if (!ws.defined()) return;
+  launch_finalize(ws, out, g.d, groups, static_cast<int>(splits), scale);
+}
 
-  const int ft = ceil_div(g.d, kFinTile);
-  const dim3 fgrid(static_cast<unsigned>(ft), static_cast<unsigned>(ft),
-                   static_cast<unsigned>(groups));
-  const dim3 fblock(kFinTile, kFinRows);
-  AT_DISPATCH_FLOATING_TYPES(ws.scalar_type(), "kaisa_gram_finalize_acc", [&] {
-    using acc_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(
-        at::kHalf, at::kBFloat16, out.scalar_type(), "kaisa_gram_finalize_out", [&] {
-          using out_t = scalar_t;
-          finalize_kernel<acc_t, out_t><<<fgrid, fblock, 0, stream>>>(
-              ws.const_data_ptr<acc_t>(), out.mutable_data_ptr<out_t>(), g.d,
-              static_cast<int>(splits), static_cast<acc_t>(scale));
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-  });
+// ------------------------------------------------------------ GEMM path --
+//
+// cov = scale * sum over row chunks c of P_c^T P_c. A chunk of at most
+// `chunk_rows` rows of P (one group's columns, bias column included) is packed
+// row-major into a workspace of the input dtype (pack_patches_kernel: the
+// im2col of those rows, or the rows of x plus a ones column), then
+//   acc (d x d, fp32 / fp64) = P_c^T P_c + beta * acc,  beta = 0 for the first
+//   chunk and 1 after,
+// with one cublasGemmEx: the row-major chunk (rows x d) is the column-major
+// d x rows matrix M (ld d), and M M^T (CUBLAS_OP_N, CUBLAS_OP_T) is P_c^T P_c. The
+// linear op without bias needs no packing: x itself is P (A = B = x + r0 * d).
+// The finalize kernel (one split) then scales, mirrors the upper triangle
+// (exact symmetry: cuBLAS gives no bitwise-symmetric product) and casts.
+//
+// Memory: the accumulator (groups * d * d * 4 or 8 bytes) plus one chunk buffer
+// (chunk_rows * d * element size) stay within kMaxWorkspaceBytes, the bound of the
+// fused kernel's split-K workspace; the path is not taken when the accumulator and
+// kGemmRowAlign rows do not fit.
+
+constexpr int kPackThreads = 256;
+constexpr int64_t kGemmRowAlign = 32;  // chunk rows are a multiple of this (but the last)
+
+// P_c[rl][c] = P[r0 + rl][c] of group `group`, row-major (nrows x d), c fastest
+// (coalesced writes); the bias column holds one.
+template <typename scalar_t, bool kConv>
+__global__ void __launch_bounds__(kPackThreads)
+    pack_patches_kernel(const scalar_t* __restrict__ x, const Geom g, const int group,
+                        const int64_t r0, const int64_t nrows, scalar_t* __restrict__ P) {
+  const int64_t total = nrows * g.d;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t rl = e / g.d;
+    const int c = static_cast<int>(e - rl * g.d);
+    const int64_t r = r0 + rl;
+    scalar_t v = static_cast<scalar_t>(0.0f);
+    if (c >= g.d_data) {
+      v = static_cast<scalar_t>(1.0f);  // the bias column (the only one past the data)
+    } else if constexpr (kConv) {
+      const int64_t HoWo = static_cast<int64_t>(g.Ho) * g.Wo;
+      const int64_t n = r / HoWo;
+      const int64_t p = r - n * HoWo;
+      const int oh = static_cast<int>(p / g.Wo);
+      const int ow = static_cast<int>(p - static_cast<int64_t>(oh) * g.Wo);
+      const int taps = g.kh * g.kw;
+      const int ch = c / taps;
+      const int t = c - ch * taps;
+      const int ki = t / g.kw;
+      const int kj = t - ki * g.kw;
+      const int ih = oh * g.sh - g.ph + ki * g.dh;
+      const int iw = ow * g.sw - g.pw + kj * g.dw;
+      if (static_cast<unsigned>(ih) < static_cast<unsigned>(g.H) &&
+          static_cast<unsigned>(iw) < static_cast<unsigned>(g.W)) {
+        v = x[n * g.C * static_cast<int64_t>(g.H) * g.W +
+              (static_cast<int64_t>(group) * g.Cg + ch) * g.H * g.W +
+              static_cast<int64_t>(ih) * g.W + iw];
+      }
+    } else {
+      v = x[r * g.d_data + c];
+    }
+    P[e] = v;
+  }
+}
+
+enum class CovImpl { kAuto, kFused, kGemm };
+
+CovImpl requested_cov_impl() {
+  const char* env = std::getenv("KAISA_COVARIANCE_IMPL");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return CovImpl::kAuto;
+  if (std::strcmp(env, "fused") == 0) return CovImpl::kFused;
+  if (std::strcmp(env, "gemm") == 0) return CovImpl::kGemm;
+  TORCH_CHECK(false, "kaisa: KAISA_COVARIANCE_IMPL must be auto, fused or gemm, got '", env,
+              "'");
+}
+
+// The fp32 GEMM math torch's float32_matmul_precision allows ("highest": IEEE fp32,
+// "high": TF32, "medium": TF32 as torch maps it, or bf16 where set explicitly).
+cublasComputeType_t fp32_compute_type() {
+  const at::Float32Precision p =
+      at::globalContext().float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL);
+  if (p == at::Float32Precision::TF32) return CUBLAS_COMPUTE_32F_FAST_TF32;
+  if (p == at::Float32Precision::BF16) return CUBLAS_COMPUTE_32F_FAST_16BF;
+  return CUBLAS_COMPUTE_32F;
+}
+
+// The GEMM path's rows per chunk: as many as the memory bound allows (a multiple of
+// kGemmRowAlign unless all rows fit), at most INT_MAX (cuBLAS's k) and at most
+// KAISA_COVARIANCE_GEMM_ROWS when set (it lowers the chunk, never raises it); 0 when
+// the path does not fit the bound.
+int64_t gemm_chunk_rows(const Geom& g, int groups, bool pack, at::ScalarType st) {
+  const int64_t acc_bytes = st == at::kDouble ? 8 : 4;
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(st));
+  const int64_t acc_total = static_cast<int64_t>(groups) * g.d * g.d * acc_bytes;
+  if (acc_total > kMaxWorkspaceBytes) return 0;
+  int64_t rows = std::min<int64_t>(std::max<int64_t>(g.rows, 1),
+                                   std::numeric_limits<int>::max());
+  if (pack) {
+    const int64_t fit = (kMaxWorkspaceBytes - acc_total) / (static_cast<int64_t>(g.d) * elem);
+    if (fit < std::min<int64_t>(kGemmRowAlign, rows)) return 0;
+    rows = std::min(rows, fit);
+  }
+  const char* env = std::getenv("KAISA_COVARIANCE_GEMM_ROWS");
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && v > 0, "kaisa: KAISA_COVARIANCE_GEMM_ROWS must be a positive ",
+                "integer, got '", env, "'");
+    return std::min<int64_t>(rows, v);
+  }
+  if (rows < g.rows && rows >= kGemmRowAlign) rows -= rows % kGemmRowAlign;
+  return rows;
+}
+
+// Cost model: estimated seconds of each path on an H100 SXM, from its datasheet
+// peaks (dense) and assumed efficiencies. NOT validated on a GPU (none has run
+// this code); docs/cuda-kernels.md gives the arithmetic and the numbers to measure.
+constexpr double kSimtFp32 = 67e12;    // FP32 FMA units, flop/s
+constexpr double kSimtFp64 = 34e12;    // FP64 FMA units
+constexpr double kTensorTf32 = 495e12;
+constexpr double kTensor16 = 990e12;   // fp16 / bf16 inputs, fp32 accumulation
+constexpr double kTensorFp64 = 67e12;
+constexpr double kHbm = 3.35e12;       // bytes/s
+constexpr double kFusedEfficiency = 0.5;  // of the SIMT peak (4x4 micro-tile, no tensor cores)
+constexpr double kGemmEfficiency = 0.6;   // of cuBLAS's peak at these shapes
+constexpr double kBandwidthEfficiency = 0.8;
+constexpr double kLaunchSeconds = 4e-6;   // one kernel launch or cuBLAS call
+
+struct CovarianceChoice {
+  bool gemm = false;
+  int64_t chunk_rows = 0;
+  bool pack = false;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  double fused_seconds = 0;
+  double gemm_seconds = 0;
+};
+
+CovarianceChoice choose_covariance(const Geom& g, int groups, bool conv, at::ScalarType st) {
+  CovarianceChoice c;
+  c.pack = conv || g.bias;
+  c.compute = st == at::kDouble  ? CUBLAS_COMPUTE_64F
+              : st == at::kFloat ? fp32_compute_type()
+                                 : CUBLAS_COMPUTE_32F;
+  const CovImpl impl = requested_cov_impl();
+  if (impl == CovImpl::kFused || g.d == 0 || groups == 0) return c;
+  c.chunk_rows = gemm_chunk_rows(g, groups, c.pack, st);
+  if (c.chunk_rows == 0) return c;  // over the memory bound: the fused kernel
+  if (impl == CovImpl::kGemm) {
+    c.gemm = true;
+    return c;
+  }
+  const double rows = static_cast<double>(g.rows);
+  const double d = g.d;
+  const double n_tiles = ceil_div(g.d, kTile);
+  const double pairs = n_tiles * (n_tiles + 1) / 2;
+  const double simt = st == at::kDouble ? kSimtFp64 : kSimtFp32;
+  c.fused_seconds = 2 * rows * pairs * kTile * kTile * groups / (kFusedEfficiency * simt) +
+                    kLaunchSeconds;
+  double peak = kSimtFp32;  // cuBLAS fp32 without TF32 runs on the FMA units too
+  if (st == at::kDouble) {
+    peak = kTensorFp64;
+  } else if (st != at::kFloat || c.compute == CUBLAS_COMPUTE_32F_FAST_16BF) {
+    peak = kTensor16;
+  } else if (c.compute == CUBLAS_COMPUTE_32F_FAST_TF32) {
+    peak = kTensorTf32;
+  }
+  const double chunks = std::ceil(rows / static_cast<double>(c.chunk_rows));
+  const double elem = static_cast<double>(c10::elementSize(st));
+  c.gemm_seconds = 2 * rows * d * d * groups / (kGemmEfficiency * peak) +
+                   (c.pack ? 2 * rows * d * elem * groups / (kBandwidthEfficiency * kHbm) : 0) +
+                   chunks * groups * (c.pack ? 2 : 1) * kLaunchSeconds + kLaunchSeconds;
+  c.gemm = c.gemm_seconds < c.fused_seconds;
+  return c;
+}
+
+cudaDataType cuda_type(at::ScalarType st) {
+  switch (st) {
+    case at::kDouble: return CUDA_R_64F;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    default: return CUDA_R_32F;
+  }
+}
+
+// The GEMM path (see above) into `out` (groups, d, d), on the current stream.
+void gemm_covariance_into(const at::Tensor& x, const Geom& g, int groups, double scale,
+                          bool conv, const CovarianceChoice& c, const at::Tensor& out) {
+  const bool dbl = x.scalar_type() == at::kDouble;
+  const auto acc_options = x.options().dtype(dbl ? at::kDouble : at::kFloat);
+  at::Tensor acc = g.rows == 0 ? at::zeros({1, groups, g.d, g.d}, acc_options)
+                               : at::empty({1, groups, g.d, g.d}, acc_options);
+  at::Tensor packed;
+  if (c.pack && g.rows > 0) {
+    packed = at::empty({std::min(c.chunk_rows, g.rows), g.d}, x.options());
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  const cudaDataType ab_type = cuda_type(x.scalar_type());
+  const cudaDataType c_type = dbl ? CUDA_R_64F : CUDA_R_32F;
+  const int64_t dd = static_cast<int64_t>(g.d) * g.d;
+  const int max_blocks = sm_count() * 8;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "kaisa_covariance_gemm", [&] {
+        using acc_t = acc_type_t<scalar_t>;
+        const acc_t one = acc_t(1);
+        const acc_t zero = acc_t(0);
+        const scalar_t* xp = x.const_data_ptr<scalar_t>();
+        for (int group = 0; group < groups; ++group) {
+          acc_t* cp = acc.mutable_data_ptr<acc_t>() + group * dd;
+          for (int64_t r0 = 0; r0 < g.rows; r0 += c.chunk_rows) {
+            const int64_t nrows = std::min(c.chunk_rows, g.rows - r0);
+            const scalar_t* a = xp + r0 * g.d_data;
+            if (c.pack) {
+              scalar_t* pp = packed.mutable_data_ptr<scalar_t>();
+              const int blocks = static_cast<int>(std::max<int64_t>(
+                  1, std::min<int64_t>(ceil_div<int64_t>(nrows * g.d, kPackThreads),
+                                       max_blocks)));
+              if (conv) {
+                pack_patches_kernel<scalar_t, true><<<blocks, kPackThreads, 0, stream>>>(
+                    xp, g, group, r0, nrows, pp);
+              } else {
+                pack_patches_kernel<scalar_t, false><<<blocks, kPackThreads, 0, stream>>>(
+                    xp, g, group, r0, nrows, pp);
+              }
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+              a = pp;
+            }
+            const acc_t* beta = r0 == 0 ? &zero : &one;
+            TORCH_CUDABLAS_CHECK(cublasGemmEx(
+                handle, CUBLAS_OP_N, CUBLAS_OP_T, g.d, g.d, static_cast<int>(nrows), &one, a,
+                ab_type, g.d, a, ab_type, g.d, beta, cp, c_type, g.d, c.compute,
+                CUBLAS_GEMM_DEFAULT));
+          }
+        }
+      });
+  launch_finalize(acc, out, g.d, groups, 1, scale);
+}
+
+// scale * P^T P per group into `out`: the fused kernel or the GEMM path, as the
+// cost model (or KAISA_COVARIANCE_IMPL) chooses.
+void covariance_into(const at::Tensor& x, const Geom& g, int groups, double scale, bool conv,
+                     const at::Tensor& out) {
+  if (g.d == 0 || groups == 0) return;
+  TORCH_CHECK(groups <= 65535, "kaisa: at most 65535 groups are supported, got ", groups);
+  const CovarianceChoice c = choose_covariance(g, groups, conv, x.scalar_type());
+  if (c.gemm) {
+    gemm_covariance_into(x, g, groups, scale, conv, c, out);
+  } else {
+    gram_into(x, g, groups, scale, conv, out);
+  }
 }
 
 int checked_int(int64_t v, const char* what) {
@@ -407,7 +680,7 @@ at::Tensor covariance_cuda(const at::Tensor& x, double scale, bool bias) {
   const at::Tensor xc = x.contiguous();
   const Geom g = linear_geom(xc, bias);
   at::Tensor out = at::empty({g.d, g.d}, xc.options());
-  gram_into(xc, g, 1, scale, /*conv=*/false, out);
+  covariance_into(xc, g, 1, scale, /*conv=*/false, out);
   return out;
 }
 
@@ -450,7 +723,7 @@ at::Tensor conv_covariance_cuda(const at::Tensor& x, at::IntArrayRef kernel_size
   const at::Tensor xc = x.contiguous();
   const Geom g = conv_geom(xc, kernel_size, stride, padding, dilation, groups, bias);
   at::Tensor out = at::empty({groups, g.d, g.d}, xc.options());
-  gram_into(xc, g, static_cast<int>(groups), scale, /*conv=*/true, out);
+  covariance_into(xc, g, static_cast<int>(groups), scale, /*conv=*/true, out);
   return out;
 }
 

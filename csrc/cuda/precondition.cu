@@ -5,8 +5,10 @@
 //                                                      reciprocal, (B, m, n))
 //
 // for a batch of B layers with the same (m, n). Four strided-batched cuBLAS
-// GEMMs (S or D; fp16/bf16 inputs are computed in fp32 and cast back) with a
-// single elementwise kernel between the second and third one. Buffers: the
+// GEMMs (S or D) with a single elementwise kernel between the second and third
+// one. fp16 / bf16 inputs take another route (precondition_16bit below): four
+// launches of a kaisa GEMM kernel that reads the 16-bit operands in place and
+// accumulates in fp32, so no fp32 copy of QA / QG (or grad) is made per call. Buffers: the
 // intermediate t (B, m, n) and the output; the eigenbasis-space matrix lives
 // in the output buffer until the last GEMM overwrites it:
 //
@@ -119,30 +121,13 @@ int to_int(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
-// Every operand is a contiguous (B, ...) tensor (see prepare): the batch
-// strides are the matrix sizes.
+// v (B, m, n contiguous) /= dg da^T + damping, or v *= dgda: dg (B, m), da (B, n),
+// dgda (B, m, n) contiguous of type T.
 template <typename T>
-void precondition_impl(const at::Tensor& g, const at::Tensor& qa, const at::Tensor& qg,
-                       const at::Tensor* dg, const at::Tensor* da, const at::Tensor* dgda,
-                       double damping, at::Tensor& t, at::Tensor& out) {
-  const int batch = to_int(g.size(0), "batch");
-  const int m = to_int(g.size(1), "m");
-  const int n = to_int(g.size(2), "n");
+void scale_in_eigenbasis(T* O, const at::Tensor* dg, const at::Tensor* da,
+                         const at::Tensor* dgda, double damping, int batch, int m, int n,
+                         cudaStream_t stream) {
   const int64_t mn = static_cast<int64_t>(m) * n;
-  const int64_t sqa = static_cast<int64_t>(n) * n;
-  const int64_t sqg = static_cast<int64_t>(m) * m;
-  cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-
-  const T* G = g.const_data_ptr<T>();
-  const T* QA = qa.const_data_ptr<T>();
-  const T* QG = qg.const_data_ptr<T>();
-  T* Tp = t.mutable_data_ptr<T>();
-  T* O = out.mutable_data_ptr<T>();
-
-  gemm_rm<T>(h, /*ta=*/true, /*tb=*/false, m, n, m, QG, sqg, G, mn, Tp, mn, batch);   // t = QG^T g
-  gemm_rm<T>(h, false, false, m, n, n, Tp, mn, QA, sqa, O, mn, batch);                // o = t QA
-
   const int64_t total = mn * batch;
   const int64_t max_blocks = static_cast<int64_t>(sm_count()) * 8;
   if (dgda != nullptr) {
@@ -161,9 +146,201 @@ void precondition_impl(const at::Tensor& g, const at::Tensor& qa, const at::Tens
                                                      static_cast<T>(damping));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+}
+
+// Every operand is a contiguous (B, ...) tensor (see prepare): the batch
+// strides are the matrix sizes.
+template <typename T>
+void precondition_impl(const at::Tensor& g, const at::Tensor& qa, const at::Tensor& qg,
+                       const at::Tensor* dg, const at::Tensor* da, const at::Tensor* dgda,
+                       double damping, at::Tensor& t, at::Tensor& out) {
+  const int batch = to_int(g.size(0), "batch");
+  const int m = to_int(g.size(1), "m");
+  const int n = to_int(g.size(2), "n");
+  const int64_t mn = static_cast<int64_t>(m) * n;
+  const int64_t sqa = static_cast<int64_t>(n) * n;
+  const int64_t sqg = static_cast<int64_t>(m) * m;
+  cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const T* G = g.const_data_ptr<T>();
+  const T* QA = qa.const_data_ptr<T>();
+  const T* QG = qg.const_data_ptr<T>();
+  T* Tp = t.mutable_data_ptr<T>();
+  T* O = out.mutable_data_ptr<T>();
+
+  gemm_rm<T>(h, /*ta=*/true, /*tb=*/false, m, n, m, QG, sqg, G, mn, Tp, mn, batch);   // t = QG^T g
+  gemm_rm<T>(h, false, false, m, n, n, Tp, mn, QA, sqa, O, mn, batch);                // o = t QA
+
+  scale_in_eigenbasis<T>(O, dg, da, dgda, damping, batch, m, n, stream);
 
   gemm_rm<T>(h, false, false, m, n, m, QG, sqg, O, mn, Tp, mn, batch);   // t = QG o
   gemm_rm<T>(h, false, true, m, n, n, Tp, mn, QA, sqa, O, mn, batch);    // o = t QA^T
+}
+
+// ------------------------------------------------ 16-bit inputs: no copies --
+//
+// fp16 / bf16 operands are read as they are (any strides: a column-major basis
+// from a QR or eigh is its transpose's row-major view) and every product
+// accumulates in fp32 on the FMA units: cuBLAS has no GEMM with one 16-bit and
+// one fp32 operand (cublasGemmEx takes A and B of one type), and the
+// intermediates of the chain are fp32. The alternative, fp32 copies of QA / QG on
+// every call, costs 2 (n^2 + m^2) * 4 bytes of traffic and memory per call; a
+// cache of those copies keyed on the version counter is unsafe (collectives do
+// not bump it).
+
+constexpr int kMmTile = 64;  // output tile edge
+constexpr int kMmK = 16;     // k per shared-memory slab
+constexpr int kMmDim = 16;   // 16 x 16 threads, 4 x 4 outputs each (strided)
+constexpr int kMmMicro = kMmTile / kMmDim;
+static_assert(kMmDim * kMmDim == kThreads, "mixed GEMM block shape");
+static_assert((kMmTile * kMmK) % kThreads == 0, "mixed GEMM loader mapping");
+
+// A strided matrix of a batch: element (b, i, j) at p[b * sb + i * si + j * sj].
+template <typename T>
+struct View {
+  T* p;
+  int64_t sb, si, sj;
+};
+
+template <typename T>
+View<const T> view(const at::Tensor& t) {  // t: (B, rows, cols), any strides
+  return {t.const_data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+template <typename T>
+View<const T> transposed(View<const T> v) {
+  return {v.p, v.sb, v.sj, v.si};
+}
+
+// C[b] (m x n) = A[b] (m x k) B[b] (k x n), read as TA / TB, fp32 accumulation,
+// written as TC. grid = (ceil(n / 64), ceil(m / 64), min(batch, 65535)); blocks
+// loop over the batch by gridDim.z.
+template <typename TA, typename TB, typename TC>
+__global__ void __launch_bounds__(kThreads)
+    mixed_gemm_kernel(const View<const TA> A, const View<const TB> B, const View<TC> C,
+                      const int batch, const int m, const int n, const int k) {
+  __shared__ float As[kMmK][kMmTile + 1];
+  __shared__ float Bs[kMmK][kMmTile + 1];
+  const int tid = threadIdx.x;
+  const int tx = tid % kMmDim;
+  const int ty = tid / kMmDim;
+  const int i0 = blockIdx.y * kMmTile;
+  const int j0 = blockIdx.x * kMmTile;
+  for (int b = blockIdx.z; b < batch; b += gridDim.z) {
+    const TA* a = A.p + b * A.sb;
+    const TB* bp = B.p + b * B.sb;
+    float acc[kMmMicro][kMmMicro] = {};
+    for (int k0 = 0; k0 < k; k0 += kMmK) {
+#pragma unroll
+      for (int it = 0; it < (kMmTile * kMmK) / kThreads; ++it) {
+        const int e = tid + it * kThreads;
+        const int kk = e % kMmK;  // A: consecutive threads along k
+        const int r = e / kMmK;
+        const int i = i0 + r;
+        const int kg = k0 + kk;
+        As[kk][r] = (i < m && kg < k) ? static_cast<float>(a[i * A.si + kg * A.sj]) : 0.0f;
+        const int c = e % kMmTile;  // B: consecutive threads along n
+        const int kb = k0 + e / kMmTile;
+        const int j = j0 + c;
+        Bs[e / kMmTile][c] =
+            (j < n && kb < k) ? static_cast<float>(bp[kb * B.si + j * B.sj]) : 0.0f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kMmK; ++kk) {
+        float x[kMmMicro], y[kMmMicro];
+#pragma unroll
+        for (int q = 0; q < kMmMicro; ++q) x[q] = As[kk][ty + q * kMmDim];
+#pragma unroll
+        for (int q = 0; q < kMmMicro; ++q) y[q] = Bs[kk][tx + q * kMmDim];
+#pragma unroll
+        for (int u = 0; u < kMmMicro; ++u) {
+#pragma unroll
+          for (int v = 0; v < kMmMicro; ++v) acc[u][v] = fma(x[u], y[v], acc[u][v]);
+        }
+      }
+      __syncthreads();
+    }
+    TC* c = C.p + b * C.sb;
+#pragma unroll
+    for (int u = 0; u < kMmMicro; ++u) {
+      const int i = i0 + ty + u * kMmDim;
+      if (i >= m) continue;
+#pragma unroll
+      for (int v = 0; v < kMmMicro; ++v) {
+        const int j = j0 + tx + v * kMmDim;
+        if (j < n) c[i * C.si + j * C.sj] = static_cast<TC>(acc[u][v]);
+      }
+    }
+  }
+}
+
+template <typename TA, typename TB, typename TC>
+void mixed_gemm(View<const TA> a, View<const TB> b, View<TC> c, int batch, int m, int n, int k,
+                cudaStream_t stream) {
+  const int64_t gy = ceil_div<int64_t>(m, kMmTile);
+  TORCH_CHECK(gy <= 65535, "kaisa::eigen_precondition: m too large for 16-bit inputs (", m, ")");
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(n, kMmTile)),
+                  static_cast<unsigned>(gy), static_cast<unsigned>(std::min(batch, 65535)));
+  mixed_gemm_kernel<TA, TB, TC><<<grid, kThreads, 0, stream>>>(a, b, c, batch, m, n, k);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The four products for 16-bit grad / qa / qg (B, ...): t and v are fp32
+// intermediates (B, m, n), the last product writes the 16-bit result.
+template <typename scalar_t>
+void precondition_16bit(const at::Tensor& g, const at::Tensor& qa, const at::Tensor& qg,
+                        const at::Tensor* dg, const at::Tensor* da, const at::Tensor* dgda,
+                        double damping, at::Tensor& t, at::Tensor& v, at::Tensor& result) {
+  const int batch = to_int(g.size(0), "batch");
+  const int m = to_int(g.size(1), "m");
+  const int n = to_int(g.size(2), "n");
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const View<const scalar_t> G = view<scalar_t>(g);
+  const View<const scalar_t> QA = view<scalar_t>(qa);
+  const View<const scalar_t> QG = view<scalar_t>(qg);
+  const View<float> T{t.mutable_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+  const View<float> V{v.mutable_data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2)};
+  const View<const float> Tc{T.p, T.sb, T.si, T.sj};
+  const View<const float> Vc{V.p, V.sb, V.si, V.sj};
+  const View<scalar_t> R{result.mutable_data_ptr<scalar_t>(), result.stride(0), result.stride(1),
+                         result.stride(2)};
+  mixed_gemm<scalar_t, scalar_t, float>(transposed(QG), G, T, batch, m, n, m, stream);  // QG^T g
+  mixed_gemm<float, scalar_t, float>(Tc, QA, V, batch, m, n, n, stream);                 // t QA
+  scale_in_eigenbasis<float>(V.p, dg, da, dgda, damping, batch, m, n, stream);
+  mixed_gemm<scalar_t, float, float>(QG, Vc, T, batch, m, n, m, stream);                 // QG v
+  mixed_gemm<float, scalar_t, scalar_t>(Tc, transposed(QA), R, batch, m, n, n, stream);  // t QA^T
+}
+
+// fp16 / bf16: grad, qa and qg read in place (no fp32 copies), see above; the
+// eigenvalue vectors (or the reciprocal dgda) are converted to fp32.
+at::Tensor precondition_16bit_cuda(const at::Tensor& grad, const at::Tensor& qa,
+                                   const at::Tensor& qg, const std::optional<at::Tensor>& da,
+                                   const std::optional<at::Tensor>& dg,
+                                   const std::optional<at::Tensor>& dgda, double damping,
+                                   bool unbatched) {
+  const auto batched = [&](const at::Tensor& t) { return unbatched ? t.unsqueeze(0) : t; };
+  const at::Tensor g = batched(grad);
+  const at::Tensor qa_b = batched(qa);
+  const at::Tensor qg_b = batched(qg);
+  at::Tensor da_c, dg_c, dgda_c;
+  if (dgda.has_value()) {
+    dgda_c = prepare(*dgda, unbatched, at::kFloat);
+  } else {
+    da_c = prepare(*da, unbatched, at::kFloat);
+    dg_c = prepare(*dg, unbatched, at::kFloat);
+  }
+  at::Tensor result = at::empty({g.size(0), g.size(1), g.size(2)}, g.options());
+  if (result.numel() > 0) {
+    at::Tensor t = at::empty(result.sizes(), g.options().dtype(at::kFloat));
+    at::Tensor v = at::empty_like(t);
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(g.scalar_type(), "kaisa_precondition_16bit", [&] {
+      precondition_16bit<scalar_t>(g, qa_b, qg_b, dgda.has_value() ? nullptr : &dg_c,
+                                   dgda.has_value() ? nullptr : &da_c,
+                                   dgda.has_value() ? &dgda_c : nullptr, damping, t, v, result);
+    });
+  }
+  return unbatched ? result.squeeze(0) : result;
 }
 
 at::Tensor eigen_precondition_cuda(const at::Tensor& grad, const at::Tensor& qa,
@@ -177,6 +354,9 @@ at::Tensor eigen_precondition_cuda(const at::Tensor& grad, const at::Tensor& qa,
   const auto gt = grad.scalar_type();
   const bool unbatched = grad.dim() == 2;
   const at::ScalarType ct = gt == at::kDouble ? at::kDouble : at::kFloat;
+  if (gt == at::kHalf || gt == at::kBFloat16) {
+    return precondition_16bit_cuda(grad, qa, qg, da, dg, dgda, damping, unbatched);
+  }
   const at::Tensor g = prepare(grad, unbatched, ct);
   const int64_t batch = g.size(0);
   const int64_t m = g.size(1);

@@ -25,7 +25,8 @@ from pathlib import Path
 from tests.simt.build import CSRC_ENV, ROOT, asan_runtime
 
 WORK = ROOT / "build" / "simt-mutant-src" / "csrc"
-TESTS = ["tests/test_cuda_ops.py", "tests/test_cuda_host_work.py", "tests/test_simt.py"]
+TESTS = ["tests/test_cuda_ops.py", "tests/test_cuda_host_work.py",
+         "tests/test_cuda_covariance_gemm.py", "tests/test_simt.py"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,32 @@ MUTATIONS = [
              "{ std::vector<std::vector<char>> ws; "
              "run_xsyev_batched<T>(a, w, inf, n, batch, vecs_cm, ws); }",
              "XsyevBatched's host workspaces freed before the queued calls run"),
+    Mutation("gemm-beta", "lost accumulation", "cuda/covariance.cu",
+             "const acc_t* beta = r0 == 0 ? &zero : &one;", "const acc_t* beta = &zero;",
+             "covariance GEMM path: beta = 0 on every chunk (each chunk overwrites the sum)"),
+    Mutation("gemm-ldc", "wrong leading dimension", "cuda/covariance.cu",
+             "beta, cp, c_type, g.d, c.compute", "beta, cp, c_type, g.d - 1, c.compute",
+             "covariance GEMM path: ldc = d - 1 for the d x d accumulator"),
+    Mutation("gemm-chunk-offset", "wrong offset", "cuda/covariance.cu",
+             "const scalar_t* a = xp + r0 * g.d_data;", "const scalar_t* a = xp;",
+             "covariance GEMM path (linear, no bias): every chunk reads the first rows of x"),
+    Mutation("pack-padding", "off-by-one bound", "cuda/covariance.cu",
+             "      if (static_cast<unsigned>(ih) < static_cast<unsigned>(g.H) &&\n"
+             "          static_cast<unsigned>(iw) < static_cast<unsigned>(g.W)) {\n"
+             "        v = x[n * g.C",
+             "      if (static_cast<unsigned>(ih) <= static_cast<unsigned>(g.H) &&\n"
+             "          static_cast<unsigned>(iw) < static_cast<unsigned>(g.W)) {\n"
+             "        v = x[n * g.C",
+             "pack_patches_kernel reads input row ih == H instead of zero padding"),
+    Mutation("mixed-barrier", "removed barrier", "cuda/precondition.cu",
+             "            (j < n && kb < k) ? static_cast<float>(bp[kb * B.si + j * B.sj]) : 0.0f;\n"
+             "      }\n      __syncthreads();\n",
+             "            (j < n && kb < k) ? static_cast<float>(bp[kb * B.si + j * B.sj]) : 0.0f;\n"
+             "      }\n",
+             "mixed_gemm_kernel (16-bit precondition): no __syncthreads between staging and FMAs"),
+    Mutation("mixed-transpose", "wrong stride", "cuda/precondition.cu",
+             "return {v.p, v.sb, v.sj, v.si};", "return {v.p, v.sb, v.si, v.sj};",
+             "16-bit precondition: transposed() returns the view untransposed (QG g, t QA)"),
 ]
 
 

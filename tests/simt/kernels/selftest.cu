@@ -7,6 +7,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cublas_v2.h>
 #include <torch/library.h>
 
 namespace {
@@ -141,6 +142,34 @@ void fill_on_side_stream(const at::Tensor& out, double value, bool join) {
   }
 }
 
+cudaDataType blas_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kDouble: return CUDA_R_64F;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    default: return CUDA_R_32F;
+  }
+}
+
+// One cublasGemmEx on torch's handle with the types of a, b and c and the raw
+// arguments given (compute: a cublasComputeType_t value); returns its status.
+// alpha / beta are passed as the compute type's scalar (double for 64F).
+int64_t gemm_ex(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t m,
+                int64_t n, int64_t k, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc,
+                double alpha, double beta, int64_t compute) {
+  const auto ct = static_cast<cublasComputeType_t>(compute);
+  const bool dbl = ct == CUBLAS_COMPUTE_64F || ct == CUBLAS_COMPUTE_64F_PEDANTIC;
+  const float af = static_cast<float>(alpha), bf = static_cast<float>(beta);
+  const void* ap = dbl ? static_cast<const void*>(&alpha) : &af;
+  const void* bp = dbl ? static_cast<const void*>(&beta) : &bf;
+  return cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                      tb ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n),
+                      static_cast<int>(k), ap, a.const_data_ptr(), blas_type(a),
+                      static_cast<int>(lda), b.const_data_ptr(), blas_type(b),
+                      static_cast<int>(ldb), bp, c.mutable_data_ptr(), blas_type(c),
+                      static_cast<int>(ldc), ct, CUBLAS_GEMM_DEFAULT);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(simt_selftest, m) {
@@ -151,6 +180,8 @@ TORCH_LIBRARY(simt_selftest, m) {
   m.def("exited_lane(Tensor(a!) out) -> ()");
   m.def("indices(Tensor(a!) out, int[3] grid, int[3] block) -> ()");
   m.def("fill_on_side_stream(Tensor(a!) out, float value, bool join) -> ()");
+  m.def("gemm_ex(Tensor a, Tensor b, Tensor(a!) c, int m, int n, int k, bool ta, bool tb, "
+        "int lda, int ldb, int ldc, float alpha, float beta, int compute) -> int");
 }
 
 TORCH_LIBRARY_IMPL(simt_selftest, CUDA, m) {
@@ -161,4 +192,5 @@ TORCH_LIBRARY_IMPL(simt_selftest, CUDA, m) {
   m.impl("exited_lane", &exited_lane);
   m.impl("indices", &indices);
   m.impl("fill_on_side_stream", &fill_on_side_stream);
+  m.impl("gemm_ex", &gemm_ex);
 }

@@ -135,6 +135,15 @@ const std::unordered_set<std::string>& transfer_ops() {
   return ops;
 }
 
+// "dtype=Float shape=[2, 3]" of a fresh tensor, for the allocation log.
+std::string describe(const c10::IValue& v) {
+  if (!v.isTensor()) return "?";
+  const at::Tensor& t = v.toTensor();
+  std::ostringstream ss;
+  ss << "dtype=" << t.scalar_type() << " shape=" << t.sizes();
+  return ss.str();
+}
+
 struct Swap {
   at::Tensor device;
   at::Tensor host;
@@ -208,6 +217,10 @@ class Redirect {
       if (poison && r.storage().nbytes() > 0) {
         std::memset(r.storage().mutable_data(), 0xFF, r.storage().nbytes());
       }
+      if (!poison && !shares_input_storage(r)) {
+        // fresh device memory from another op (a .to(dtype) or .contiguous() copy, ...)
+        log_call("alloc " + describe(v) + " by " + op_.schema().name());
+      }
       v = device_view(r);
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> out;
@@ -232,6 +245,14 @@ class Redirect {
     return name == "aten::_to_copy" && target_.has_value() && target_->is_cpu();
   }
 
+  // Whether r is a view of a device input (same bytes), not fresh memory.
+  bool shares_input_storage(const at::Tensor& r) const {
+    for (const Swap& s : swaps_) {
+      if (r.storage().data() == s.data) return true;
+    }
+    return false;
+  }
+
   void check_storages() const {
     for (const Swap& s : swaps_) {
       TORCH_CHECK(s.host.storage().data() == s.data, "simt: ", op_.schema().name(),
@@ -248,15 +269,6 @@ class Redirect {
   bool seen_tensor_ = false;
   bool first_on_host_ = false;  // the op's first tensor argument is a host tensor
 };
-
-// "dtype=Float shape=[2, 3]" of a fresh tensor, for the allocation log.
-std::string describe(const c10::IValue& v) {
-  if (!v.isTensor()) return "?";
-  const at::Tensor& t = v.toTensor();
-  std::ostringstream ss;
-  ss << "dtype=" << t.scalar_type() << " shape=" << t.sizes();
-  return ss.str();
-}
 
 void redirect(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/,
               torch::jit::Stack* stack) {
