@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from kaisa.blocks import CurvatureBlock, Preconditioned, register_blocks
+from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_factor_updates
 from kaisa.config import KFACConfig
 from kaisa.coverage import FIRST_ORDER, coverage_line, parameter_coverage
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
@@ -368,17 +369,7 @@ class KFACCurvature:
         It must name exactly this core's blocks, each checked by
         :meth:`~kaisa.blocks.CurvatureBlock.check_state_dict` (shapes, finiteness).
         """
-        if not isinstance(state, Mapping):
-            raise ValueError(f"state_dict layers is a {type(state).__name__}, not a dict")
-        missing = set(self._blocks) - set(state)
-        extra = set(state) - set(self._blocks)
-        if missing or extra:
-            raise ValueError(
-                "state_dict layers do not match the registered layers: "
-                f"missing {sorted(missing)}, unexpected {sorted(extra)}"
-            )
-        for name, block in self._blocks.items():
-            block.check_state_dict(state[name])
+        check_blocks_state(self._blocks, state)
 
     def load_state_dict(
         self, state: Mapping[str, Any], *, damping: float, compute_inverses: bool = True
@@ -418,26 +409,12 @@ class KFACCurvature:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank by kind, plus ``'total'``."""
-        usage = {"factors": 0, "decompositions": 0, "buffers": 0}
-        for block in self._blocks.values():
-            for key, value in block.memory_usage().items():
-                usage[key] += value
-        usage["total"] = sum(usage.values())
-        return usage
+        return memory_usage(self._blocks)
 
     @property
     def skipped_factor_updates(self) -> int:
         """Per-batch factors not folded in because they were non-finite (syncs once)."""
-        counts = [
-            t
-            for b in self._blocks.values()
-            for t in (b.factors.skipped_a, b.factors.skipped_g)
-            if t is not None
-        ]
-        if not counts:
-            return 0
-        total = torch.stack([c.to("cpu", non_blocking=False) for c in counts]).sum()
-        return int(total.item())
+        return skipped_factor_updates(self._blocks)
 
     def remove_hooks(self) -> None:
         """Detaches the core from the model's modules."""
