@@ -13,6 +13,9 @@ Every comparison is against the real alternatives, at ResNet-50 sizes
   (``torch.cuda.max_memory_allocated``).
 * ``covariance``: the kernel vs ``x.T @ x`` (TF32 off / on) for Linear-layer
   shapes.
+* For both covariance ops, kaisa's own two paths forced one at a time
+  (``KAISA_COVARIANCE_IMPL=fused|gemm``, GEMM with TF32 off and on) under
+  ``'paths_ms'``: the data to fit the cost model's constants (``docs/cuda-kernels.md``).
 * ``eigh``: ResNet-50's whole factor set (A and G of 53 convs + fc, sizes
   64...4608) per size bucket: ``batched_eigh`` vs one batched
   ``torch.linalg.eigh`` call per size vs ``cupy.linalg.eigh`` (when cupy is
@@ -179,9 +182,15 @@ def tf32(enabled: bool) -> Iterator[None]:
 
 def _compare(
     group: str, key: str, kaisa_fn: Callable[[], object],
-    alternatives: dict[str, Callable[[], object]], memory: bool = False, **extra: object,
+    alternatives: dict[str, Callable[[], object]], memory: bool = False,
+    paths: dict[str, Callable[[], object]] | None = None, **extra: object,
 ) -> dict[str, Any]:
-    """Times kaisa and every alternative, records them and the ratio to the best one."""
+    """Times kaisa and every alternative, records them and the ratio to the best one.
+
+    ``paths`` are kaisa's own implementations forced one at a time (the covariance
+    cost model's choices): timed and recorded under ``'paths_ms'`` with the one the
+    model chose, never counted as alternatives.
+    """
     times = {"kaisa": cuda_time_ms(kaisa_fn)}
     times.update({name: cuda_time_ms(fn) for name, fn in alternatives.items()})
     best_name = min(alternatives, key=lambda n: times[n])
@@ -191,6 +200,8 @@ def _compare(
         "speedup_vs_best": round(times[best_name] / times["kaisa"], 3),
         **extra,
     }
+    if paths:
+        entry["paths_ms"] = {name: round(cuda_time_ms(fn), 4) for name, fn in paths.items()}
     if memory:
         entry["peak_extra_bytes"] = {"kaisa": peak_extra_bytes(kaisa_fn)} | {
             name: peak_extra_bytes(fn) for name, fn in alternatives.items()
@@ -222,6 +233,35 @@ def _write_results() -> Iterator[None]:
 # --------------------------------------------------------------------------- #
 # benchmarks
 # --------------------------------------------------------------------------- #
+
+
+@contextlib.contextmanager
+def covariance_impl(name: str) -> Iterator[None]:
+    """Forces the covariance kernels' path (``KAISA_COVARIANCE_IMPL``, read per call)."""
+    before = os.environ.get("KAISA_COVARIANCE_IMPL")
+    os.environ["KAISA_COVARIANCE_IMPL"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KAISA_COVARIANCE_IMPL"]
+        else:
+            os.environ["KAISA_COVARIANCE_IMPL"] = before
+
+
+def covariance_paths(run: Callable[[], object]) -> dict[str, Callable[[], object]]:
+    """``run`` under each covariance path: the fused kernel, cuBLAS GEMM in IEEE fp32
+    and with TF32 allowed (bf16 inputs use tensor cores either way)."""
+
+    def forced(name: str, allow_tf32: bool) -> Callable[[], object]:
+        def call() -> object:
+            with covariance_impl(name), tf32(allow_tf32):
+                return run()
+
+        return call
+
+    return {"fused": forced("fused", False), "gemm_ieee": forced("gemm", False),
+            "gemm_tf32": forced("gemm", True)}
 
 
 def _unfold_matmul(x: torch.Tensor, conv: Conv, scale: float) -> torch.Tensor:
@@ -259,7 +299,7 @@ def test_conv_covariance(benchmark: Any, conv: Conv, dtype: torch.dtype) -> None
     _compare(
         "conv_covariance", f"{conv.name}-{str(dtype)[6:]}", kaisa,
         {"unfold_matmul_fp32": unfold_fp32, "unfold_matmul_tf32": unfold_tf32},
-        memory=True, d=conv.a_dim, rows=BATCH * h_out * h_out,
+        memory=True, paths=covariance_paths(kaisa), d=conv.a_dim, rows=BATCH * h_out * h_out,
     )
     benchmark(lambda: (kaisa(), torch.cuda.synchronize()))
 
@@ -283,7 +323,8 @@ def test_covariance(benchmark: Any, shape: tuple[int, int]) -> None:
 
         return run
 
-    _compare("covariance", f"{rows}x{d}", kaisa, {"xtx_fp32": xtx(False), "xtx_tf32": xtx(True)})
+    _compare("covariance", f"{rows}x{d}", kaisa, {"xtx_fp32": xtx(False), "xtx_tf32": xtx(True)},
+             paths=covariance_paths(kaisa))
     benchmark(lambda: (kaisa(), torch.cuda.synchronize()))
 
 
