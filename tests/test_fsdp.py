@@ -136,13 +136,27 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
     if rank is not None:  # the core's entries keep only this rank's rows (gradients still set)
         held_ok = [e.direction.numel() == _held_count(e.block) and e.inner is not None
                    for e in curvature.precondition(0.01)]
-    engine = curvature.engine
+    engine, blocks = curvature.engine, curvature.blocks
+    placed = engine.placement.layers
+    gathered, reloaded = None, None
+    if pre is not None:  # a full state on every rank; loading it keeps the owners' factors
+        full = pre.state_dict(gather=True)
+        gathered = {n: (e.get("A"), e.get("G")) for n, e in full["layers"].items()}
+        pre.load_state_dict(full)
+        reloaded = sorted(n for n, b in blocks.items() if b.a is not None or b.g is not None)
     return {
         "steps": steps,
         "held_rows": held_ok,
         "fraction": float(engine.grid.fraction),
-        "factors": sorted(n for n, b in curvature.blocks.items()
+        "factors": sorted(n for n, b in blocks.items()
                           if b.g is not None and (b.diagonal or b.a is not None)),
+        # Running factors live where the placement decomposes them (every rank: unplaced).
+        "owners": sorted(n for n in blocks if n not in placed
+                         or engine.rank in (placed[n].a_rank, placed[n].g_rank)),
+        "values": {n: (b.a, b.g) for n, b in blocks.items() if b.a is not None or b.g is not None},
+        "factor_bytes": {n: b.memory_usage()["factors"] for n, b in blocks.items()},
+        "gathered": gathered,
+        "reloaded": reloaded,
         "blocks": sorted(curvature.blocks),
         "held": engine.placement.held_by(engine.rank),
     }
@@ -192,12 +206,36 @@ def _check(cfgs: list[dict[str, Any]], world: int,
         assert min(moved) > 1e-4, moved
         for rank_results in results:
             got = rank_results[i]
-            assert got["factors"] == ref["factors"], cfg
+            # Each rank keeps the running factors of the blocks it decomposes only, equal
+            # to the single process's.
+            assert got["factors"] == got["owners"] and set(got["values"]) == set(got["owners"])
+            for name, sides in got["values"].items():
+                for have, want in zip(sides, ref["values"][name], strict=True):
+                    assert (have is None) == (want is None), (cfg, name)
+                    if have is not None:
+                        torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL)
+            if got["gathered"] is not None:  # state_dict(gather=True): every factor
+                assert got["reloaded"] == got["owners"], cfg
+                assert set(got["gathered"]) == set(ref["values"])
+                for name, sides in got["gathered"].items():
+                    for have, want in zip(sides, ref["values"][name], strict=True):
+                        assert (have is None) == (want is None), (cfg, name)
+                        if have is not None:
+                            torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL)
             for step, (want, have) in enumerate(zip(ref["steps"], got["steps"], strict=True)):
                 for w, h in zip(want, have, strict=True):
                     torch.testing.assert_close(h, w, rtol=RTOL, atol=ATOL,
                                                msg=f"{cfg} step {step}")
             assert all(got["held_rows"]), cfg
+        # Every block's factors are kept somewhere; a Kronecker block's (A and G
+        # colocated) on exactly one rank, so the factor bytes per rank fall with the
+        # world size: together they are the single process's.
+        assert set().union(*(r[i]["factors"] for r in results)) == set(ref["factors"]), cfg
+        for name, nbytes in ref["factor_bytes"].items():
+            holders = [r[i]["factor_bytes"][name] for r in results
+                       if r[i]["factor_bytes"][name]]
+            unplaced = name not in {n for r in results for n in r[i]["held"]}
+            assert holders == ([nbytes] * world if unplaced else [nbytes]), (cfg, name)
         for other in results[1:]:  # bit-identical parameters on every rank
             for a, b in zip(results[0][i]["steps"][-1], other[i]["steps"][-1], strict=True):
                 assert torch.equal(a, b), cfg

@@ -113,6 +113,9 @@ class DistributedEngine:
             "layer_groups": {name: layer.groups for name, layer in kron.items()},
             "diagonal_sides": {name: layer.diagonal_sides for name, layer in kron.items()},
         }
+        # Under FSDP2 / HSDP a Kronecker block's running factors live on the ranks that
+        # decompose it only (its batch factors are reduced to them); else on every rank.
+        self._owned_factors = any(layer.sharded() for layer in layers.values())
         self._grid = WorkerGrid(self._world, self._resolve_grad_workers())
         self._placement = place_layers(
             self._layer_dims, self._grid, config.assignment_strategy, config.colocate_factors,
@@ -129,6 +132,8 @@ class DistributedEngine:
             w: receivers[self._grid.receiver_group_of(w)] for w in range(self._world)
         }
         self._pending_factors: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
+        # Reduces to other ranks that this rank contributes to (waited, results dropped).
+        self._contributions: list[CommHandle] = []
         self._sharded = ShardedBlocks(self._comm, self._placement, self._waiting)
         if self._world > 1 and self._rank == 0:
             logger.log(config.loglevel, "%s", self._placement.describe())
@@ -140,6 +145,7 @@ class DistributedEngine:
             grid,
             assignment_strategy=cfg.assignment_strategy,
             colocate_factors=cfg.colocate_factors,
+            owned_factors=self._owned_factors,
             **self._sizes,
         )
 
@@ -201,6 +207,27 @@ class DistributedEngine:
         placed = self._placement.layers.get(name)
         return placed is None or placed.is_grad_worker(self._rank)
 
+    @property
+    def owned_factors(self) -> bool:
+        """Whether running factors live on their owners only (a model FSDP2 shards)."""
+        return self._owned_factors
+
+    def factor_holders(self, name: str) -> tuple[int, ...]:
+        """The ranks that keep block ``name``'s running factors.
+
+        Every rank, except for a Kronecker block of a model FSDP2 shards: there the ranks
+        that decompose its A or G factor (one rank with ``colocate_factors``) keep both
+        (the damping of either side reads both).
+        """
+        placed = self._placement.layers.get(name)
+        if placed is None or not self._owned_factors:
+            return tuple(range(self._world))
+        return tuple(sorted({placed.a_rank, placed.g_rank}))
+
+    def holds_factors(self, name: str) -> bool:
+        """Whether this rank keeps block ``name``'s running factors."""
+        return self._rank in self.factor_holders(name)
+
     def memory_estimates(self) -> dict[Fraction, MemoryEstimate]:
         """Modelled per-rank K-FAC memory for every valid ``grad_worker_fraction``.
 
@@ -224,10 +251,29 @@ class DistributedEngine:
         a_batch, g_batch = layer.stats.take()
         sym = self._config.symmetry_aware  # diagonal sides (scale-shift's G too) unpacked
         sym_a, sym_g = (sym and not layer.is_diagonal(side) for side in (Side.A, Side.G))
+        holders = self.factor_holders(layer.name)
+        if len(holders) == self._world:
+            self._pending_factors[layer.name] = (
+                None if a_batch is None else self._comm.allreduce_mean(a_batch, symmetric=sym_a),
+                None if g_batch is None else self._comm.allreduce_mean(g_batch, symmetric=sym_g),
+            )
+            return
         self._pending_factors[layer.name] = (
-            None if a_batch is None else self._comm.allreduce_mean(a_batch, symmetric=sym_a),
-            None if g_batch is None else self._comm.allreduce_mean(g_batch, symmetric=sym_g),
-        )
+            self._reduce(a_batch, holders, sym_a), self._reduce(g_batch, holders, sym_g))
+
+    def _reduce(self, batch: torch.Tensor | None, holders: tuple[int, ...], symmetric: bool,
+                ) -> CommHandle | None:
+        """Reduces ``batch`` to each of ``holders``; this rank's handle if it is one."""
+        if batch is None:
+            return None
+        mine = None
+        for dst in holders:
+            handle = self._comm.reduce_mean(batch, dst, symmetric=symmetric)
+            if dst == self._rank:
+                mine = handle
+            else:
+                self._contributions.append(handle)
+        return mine
 
     def backward_end(self) -> None:
         """Starts every remaining factor allreduce and launches all buckets."""
@@ -238,11 +284,13 @@ class DistributedEngine:
     def averaged_factors(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Waits for every started factor allreduce.
 
-        Every rank folds the same averaged batch factors, so the running factors (and
-        the non-finite skips) stay identical on all ranks.
+        Every rank that keeps a block's running factors (:meth:`factor_holders`) folds
+        the same averaged batch factors, so they (and the non-finite skips) stay
+        identical on those ranks.
 
         Returns:
-            ``name -> (A, G)`` batch factors averaged over ranks.
+            ``name -> (A, G)`` batch factors averaged over ranks (``None`` for a side
+            not recorded, and on a rank that does not keep the block's factors).
         """
         self.backward_end()
         with self._waiting():
@@ -250,12 +298,16 @@ class DistributedEngine:
                 name: (None if ha is None else ha.wait(), None if hg is None else hg.wait())
                 for name, (ha, hg) in self._pending_factors.items()
             }
+            for handle in self._contributions:
+                handle.wait()
         self._pending_factors.clear()
+        self._contributions.clear()
         return averaged
 
     def drop_pending(self) -> None:
         """Forgets the factor averages started in an abandoned step (no step follows)."""
         self._pending_factors.clear()
+        self._contributions.clear()
 
     # ------------------------------------------------------------------ decompositions
     def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:
@@ -271,7 +323,10 @@ class DistributedEngine:
                 gradient worker, so it holds it) to start from
                 (:meth:`~kaisa.methods.SecondOrderMethod.refresh_dense`).
         """
-        layers = [la for la in self._layers.values() if la.a is not None and la.g is not None]
+        if self._owned_factors:  # only the owners know whether a block has factors
+            layers = [la for la in self._layers.values() if not la.diagonal]
+        else:
+            layers = [la for la in self._layers.values() if la.a is not None and la.g is not None]
         if not layers:
             return
         computed = decompose_assigned(
