@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.config import DistributedConfig
+from kaisa.distributed.averaging import FactorAverages
 from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
 from kaisa.distributed.fsdp import ShardedBlocks
 from kaisa.distributed.memory import (
@@ -131,9 +132,9 @@ class DistributedEngine:
         self._receiver_group = {
             w: receivers[self._grid.receiver_group_of(w)] for w in range(self._world)
         }
-        self._pending_factors: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
-        # Reduces to other ranks that this rank contributes to (waited, results dropped).
-        self._contributions: list[CommHandle] = []
+        self._factors = FactorAverages(
+            layers, self._comm, self._placement, owned=self._owned_factors,
+            symmetry_aware=config.symmetry_aware, waiting=self._waiting)
         self._sharded = ShardedBlocks(self._comm, self._placement, self._waiting)
         if self._world > 1 and self._rank == 0:
             logger.log(config.loglevel, "%s", self._placement.describe())
@@ -213,16 +214,8 @@ class DistributedEngine:
         return self._owned_factors
 
     def factor_holders(self, name: str) -> tuple[int, ...]:
-        """The ranks that keep block ``name``'s running factors.
-
-        Every rank, except for a Kronecker block of a model FSDP2 shards: there the ranks
-        that decompose its A or G factor (one rank with ``colocate_factors``) keep both
-        (the damping of either side reads both).
-        """
-        placed = self._placement.layers.get(name)
-        if placed is None or not self._owned_factors:
-            return tuple(range(self._world))
-        return tuple(sorted({placed.a_rank, placed.g_rank}))
+        """The ranks that keep block ``name``'s running factors (:meth:`FactorAverages.holders`)."""
+        return self._factors.holders(name)
 
     def holds_factors(self, name: str) -> bool:
         """Whether this rank keeps block ``name``'s running factors."""
@@ -246,68 +239,24 @@ class DistributedEngine:
     # ------------------------------------------------------------------ factors
     def layer_done(self, layer: CurvatureBlock) -> None:
         """Starts averaging ``layer``'s batch factors unless started or nothing recorded."""
-        if layer.name in self._pending_factors or not layer.stats.has_factors:
-            return
-        a_batch, g_batch = layer.stats.take()
-        sym = self._config.symmetry_aware  # diagonal sides (scale-shift's G too) unpacked
-        sym_a, sym_g = (sym and not layer.is_diagonal(side) for side in (Side.A, Side.G))
-        holders = self.factor_holders(layer.name)
-        if len(holders) == self._world:
-            self._pending_factors[layer.name] = (
-                None if a_batch is None else self._comm.allreduce_mean(a_batch, symmetric=sym_a),
-                None if g_batch is None else self._comm.allreduce_mean(g_batch, symmetric=sym_g),
-            )
-            return
-        self._pending_factors[layer.name] = (
-            self._reduce(a_batch, holders, sym_a), self._reduce(g_batch, holders, sym_g))
-
-    def _reduce(self, batch: torch.Tensor | None, holders: tuple[int, ...], symmetric: bool,
-                ) -> CommHandle | None:
-        """Reduces ``batch`` to each of ``holders``; this rank's handle if it is one."""
-        if batch is None:
-            return None
-        mine = None
-        for dst in holders:
-            handle = self._comm.reduce_mean(batch, dst, symmetric=symmetric)
-            if dst == self._rank:
-                mine = handle
-            else:
-                self._contributions.append(handle)
-        return mine
+        self._factors.layer_done(layer)
 
     def backward_end(self) -> None:
-        """Starts every remaining factor allreduce and launches all buckets."""
-        for layer in self._layers.values():
-            self.layer_done(layer)
-        self._comm.flush()
+        """Starts every remaining factor collective and launches all buckets."""
+        self._factors.backward_end()
 
     def averaged_factors(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Waits for every started factor allreduce.
-
-        Every rank that keeps a block's running factors (:meth:`factor_holders`) folds
-        the same averaged batch factors, so they (and the non-finite skips) stay
-        identical on those ranks.
+        """Waits for every started factor collective (:meth:`FactorAverages.wait`).
 
         Returns:
             ``name -> (A, G)`` batch factors averaged over ranks (``None`` for a side
             not recorded, and on a rank that does not keep the block's factors).
         """
-        self.backward_end()
-        with self._waiting():
-            averaged = {
-                name: (None if ha is None else ha.wait(), None if hg is None else hg.wait())
-                for name, (ha, hg) in self._pending_factors.items()
-            }
-            for handle in self._contributions:
-                handle.wait()
-        self._pending_factors.clear()
-        self._contributions.clear()
-        return averaged
+        return self._factors.wait()
 
     def drop_pending(self) -> None:
         """Forgets the factor averages started in an abandoned step (no step follows)."""
-        self._pending_factors.clear()
-        self._contributions.clear()
+        self._factors.drop()
 
     # ------------------------------------------------------------------ decompositions
     def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:
