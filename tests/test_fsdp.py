@@ -84,6 +84,7 @@ def _kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         grad_worker_fraction=cfg["strategy"], compute_method=cfg["method"],
         inv_dtype=torch.float64, factor_decay=0.9, damping=0.01, kl_clip=0.05, lr=0.1,
         inv_update_steps=2, update_factors_in_hook=cfg.get("in_hook", True),
+        colocate_factors=cfg.get("colocate", True),
     )
 
 
@@ -243,13 +244,17 @@ def _check(cfgs: list[dict[str, Any]], world: int,
             assert all(got["held_rows"]), cfg
         # Every block's factors are kept somewhere; a Kronecker block's (A and G
         # colocated) on exactly one rank, so the factor bytes per rank fall with the
-        # world size: together they are the single process's.
+        # world size: together they are the single process's. (Not colocated: on the
+        # two ranks that decompose A and G, both factors, which pi-damping reads.)
         assert set().union(*(r[i]["factors"] for r in results)) == set(ref["factors"]), cfg
         for name, nbytes in ref["factor_bytes"].items():
             holders = [r[i]["factor_bytes"][name] for r in results
                        if r[i]["factor_bytes"][name]]
             unplaced = name not in {n for r in results for n in r[i]["held"]}
-            assert holders == ([nbytes] * world if unplaced else [nbytes]), (cfg, name)
+            owners = sum(name in r[i]["owners"] for r in results)
+            assert holders == [nbytes] * owners, (cfg, name)
+            assert owners == (world if unplaced else 1 if cfg.get("colocate", True) else 2), (
+                cfg, name)
         for other in results[1:]:  # bit-identical parameters on every rank
             for a, b in zip(results[0][i]["steps"][-1], other[i]["steps"][-1], strict=True):
                 assert torch.equal(a, b), cfg
@@ -279,13 +284,14 @@ def test_fsdp2_two_ranks_equal_one_process() -> None:
 
 
 CONFIGS_4 = [{"strategy": "hybrid_opt", "method": "eigen"},
-             {"strategy": "mem_opt", "method": "inverse"}]
+             {"strategy": "mem_opt", "method": "inverse"},
+             {"strategy": "hybrid_opt", "method": "inverse", "colocate": False}]
 
 
 @pytest.mark.slow
 def test_fsdp2_four_ranks_equal_one_process() -> None:
     results = _check(CONFIGS_4, 4)
-    assert [r["fraction"] for r in results[0][:-1]] == [0.5, 0.25]
+    assert [r["fraction"] for r in results[0][:-1]] == [0.5, 0.25, 0.5]
 
 
 def test_hsdp_2x2_equals_one_process() -> None:
