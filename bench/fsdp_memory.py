@@ -36,7 +36,9 @@ Per rank and configuration it measures
   reduce-scatters, counted by wrapping ``torch.distributed.all_gather_single`` and
   ``reduce_scatter_single``) and K-FAC's (``pre.communicator.stats``), as the bytes a
   ring algorithm sends: ``2(k-1)/k`` of an allreduce's buffer, ``(k-1)/k`` of an
-  all-gather's output or a reduce-scatter's input (``k`` ranks); a broadcast counts on
+  all-gather's output or a reduce-scatter's input (``k`` ranks), the whole buffer of a
+  reduce (FSDP2's factor reduce to the owners: a reduce-scatter and a gather to the
+  owner); a broadcast counts on
   its source; an all-to-all counts what goes to other ranks. The decompositions' broadcast
   (at the first step) is reported apart, per decomposition.
 
@@ -141,7 +143,9 @@ class _Traffic:
 
 
 def _kfac_bytes(stats: dict[str, float], world: int) -> dict[str, float]:
-    """K-FAC's counters as bytes sent: the factor allreduce as a ring sends it."""
+    """K-FAC's counters as bytes sent: the factor allreduce as a ring sends it
+    (``2(k-1)/k``), the factor reduce to the owners (FSDP2) as a reduce-scatter and a
+    gather to the owner (``(k-1)/k + 1/k``: the whole buffer)."""
     return {kind: n * (2 * (world - 1) / world if kind == "factors" else 1.0)
             for kind, n in stats.items()}
 
@@ -359,11 +363,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.plot(worlds, values, line, color=color, marker="o",
                     label=f"{wrap.upper() if wrap == 'ddp' else 'FSDP2'} "
                           f"{strategy.replace('_', '-').upper()}")
-        if key == "tensor_bytes_max_rank":  # the part no configuration divides
+        if key == "tensor_bytes_max_rank":  # the part DDP does not divide
             factors = max(r["memory_max_rank"]["factors"] for r in results["rows"]) / unit
             ax.axhline(factors, color="gray", linestyle="--", linewidth=1)
-            ax.annotate("K-FAC running factors (every rank)", (1, factors), fontsize=7,
-                        color="gray", xytext=(0, 3), textcoords="offset points")
+            ax.annotate("K-FAC running factors (DDP: every rank; FSDP2: 1/world)", (1, factors),
+                        fontsize=7, color="gray", xytext=(0, 3), textcoords="offset points")
         ax.set_xlabel("ranks")
         ax.set_xticks(sorted({r["world"] for r in results["rows"]}))
         ax.set_title(title, fontsize=9)

@@ -17,9 +17,10 @@ A checkpoint holds three parts, keyed by names that do not depend on the world s
 
 Loading reads the checkpoint's metadata, checks the K-FAC part against the model's blocks
 (a checkpoint of another model raises ``ValueError`` before anything is changed), and has
-each rank read only what it needs under the *current* placement: every factor (every rank
-keeps them) and the decompositions of the blocks it is a gradient worker of. The
-placement is recomputed at the current world size, so a checkpoint loads at any world size.
+each rank read only what it needs under the *current* placement: the running factors it
+keeps (under FSDP2 those of the blocks it decomposes, with DDP every one) and the
+decompositions of the blocks it is a gradient worker of. The placement is recomputed at
+the current world size, so a checkpoint loads at any world size.
 
 Derived state is saved, not recomputed: the decompositions were computed from the factors
 of the last decomposition step, which the running factors have since moved on from, so
@@ -191,14 +192,14 @@ def _entries(saved: Mapping[str, STORAGE_TYPES], prefix: str) -> dict[str, Tenso
 
 def _layers_template(core: KFACCurvature, saved: Mapping[str, STORAGE_TYPES]
                      ) -> dict[str, dict[str, torch.Tensor]]:
-    """Buffers for what this rank reads: every factor, its gradient-worker blocks' rest."""
+    """Buffers for what this rank reads: the factors it keeps, its gradient-worker blocks' rest."""
     out = {}
     for name, block in core.blocks.items():
-        worker = core.is_grad_worker(name)
+        worker, keeps = core.is_grad_worker(name), core.engine.holds_factors(name)
         out[name] = {
             key: torch.empty(md.size, dtype=md.properties.dtype, device=block.weight.device)
             for key, md in _entries(saved, f"kfac.layers.{name}.").items()
-            if key in _FACTOR_SIDE or worker
+            if (keeps if key in _FACTOR_SIDE else worker)
         }
     return out
 
@@ -303,7 +304,8 @@ def load(
 
     Every rank calls it, after building the model (and ``fully_shard``), the optimizer and
     the preconditioner as for training. Each rank reads its shards of the model and the
-    optimizer state, every factor, and the decompositions of the blocks the current
+    optimizer state, the running factors it keeps (under FSDP2: of the blocks it
+    decomposes), and the decompositions of the blocks the current
     placement makes it a gradient worker of.
 
     Args:

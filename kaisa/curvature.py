@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.blocks import CurvatureBlock, Preconditioned, register_blocks
+from kaisa.blocks import CurvatureBlock, Preconditioned, RunningFactors, register_blocks
 from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_factor_updates
 from kaisa.config import KFACConfig
 from kaisa.coverage import FIRST_ORDER, coverage_line, parameter_coverage
@@ -45,7 +45,7 @@ from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, M
 from kaisa.distributed.agreement import check_same_on_ranks
 from kaisa.distributed.engine import BlockRule
 from kaisa.distributed.fsdp import rounds
-from kaisa.distributed.gather import gather_decompositions
+from kaisa.distributed.gather import gather_decompositions, gather_factors
 from kaisa.distributed.memory import large_factor_message
 from kaisa.hooks import StatisticsRecorder
 from kaisa.methods import SecondOrderMethod, make_method
@@ -351,16 +351,19 @@ class KFACCurvature:
 
         Args:
             gather: Also the decompositions this rank does not hold (MEM-OPT,
-                HYBRID-OPT), from their gradient workers: a collective, every rank must
-                call it (:func:`~kaisa.distributed.gather.gather_decompositions`). Without
-                it such blocks are saved without them, and loading recomputes them.
+                HYBRID-OPT), from their gradient workers, and under FSDP2 the running
+                factors, from their owners: a collective, every rank must call it
+                (:mod:`kaisa.distributed.gather`). Without it such blocks are saved
+                without them, and loading recomputes the decompositions.
         """
         state = {name: block.state_dict() for name, block in self._blocks.items()}
         if gather:
-            for name, entries in gather_decompositions(
-                self._engine, self._blocks, self._method, self._inv_dtype
-            ).items():
-                state[name].update(entries)
+            for gathered in (
+                gather_decompositions(self._engine, self._blocks, self._method, self._inv_dtype),
+                gather_factors(self._engine, self._blocks),
+            ):
+                for name, entries in gathered.items():
+                    state[name].update(entries)
         return state
 
     def check_state_dict(self, state: object) -> None:
@@ -390,8 +393,11 @@ class KFACCurvature:
             block.load_state_dict(state[name])
             if not self.is_grad_worker(name):
                 block.decomposition.clear()
+            if not self._engine.holds_factors(name):  # FSDP2: on their owners only
+                block.factors = RunningFactors(diagonal_sides=block.diagonal_sides)
         need = any(
-            b.a is not None and not b.has_decomposition() and self.is_grad_worker(name)
+            (b.a is not None or not self._engine.holds_factors(name))
+            and not b.has_decomposition() and self.is_grad_worker(name)
             for name, b in self._blocks.items()
         )
         need = self.any_rank(need)  # every rank takes part in the broadcasts
@@ -422,7 +428,8 @@ class KFACCurvature:
 
     def _warn_silent_blocks(self) -> None:
         for name, block in self._blocks.items():
-            if block.a is None and block.g is None and name not in self._warned_silent:
+            if (block.a is None and block.g is None and name not in self._warned_silent
+                    and self._engine.holds_factors(name)):  # FSDP2: the others hold none
                 self._warned_silent.add(name)
                 msg = (
                     f"kaisa: the hooks of registered layer {name!r} "

@@ -285,8 +285,8 @@ class EKFAC(torch.optim.Optimizer):
 
         Args:
             gather: Also the bases and moments this rank does not hold (MEM-OPT,
-                HYBRID-OPT): a collective, call it on every rank (``docs/conventions.md``,
-                "Checkpoints").
+                HYBRID-OPT), and under FSDP2 the running factors other ranks keep: a
+                collective, call it on every rank (``docs/conventions.md``, "Checkpoints").
             include_factors: Include the per-block state (``'layers'``); without it
                 ``'kaisa'`` holds the counters and schedules only (:mod:`kaisa.checkpoint`
                 saves the blocks itself).

@@ -252,7 +252,10 @@ class KFACPreconditioner:
 
     @property
     def skipped_factor_updates(self) -> int:
-        """Per-batch factors not folded in because they were non-finite (syncs once)."""
+        """Per-batch factors not folded in because they were non-finite (syncs once).
+
+        Under FSDP2 the counts of the factors this rank keeps (those it decomposes).
+        """
         return self._curvature.skipped_factor_updates
 
     # ------------------------------------------------------------------ step
@@ -293,10 +296,11 @@ class KFACPreconditioner:
 
         Args:
             include_factors: include per-layer factors and decompositions.
-            gather: also the decompositions held by other ranks (MEM-OPT, HYBRID-OPT),
-                so that loading the state resumes bit for bit; a collective: call it on
-                every rank (then save one rank's). Without it this rank's decompositions
-                only, and loading recomputes the others from the factors.
+            gather: also the decompositions held by other ranks (MEM-OPT, HYBRID-OPT)
+                and, under FSDP2, the running factors other ranks keep, so that loading
+                the state resumes bit for bit; a collective: call it on every rank (then
+                save one rank's). Without it this rank's decompositions (and under FSDP2
+                its factors) only, and loading recomputes the others from the factors.
         """
         state: dict[str, Any] = {"steps": self._steps, **self._schedules.state_dict()}
         if include_factors:

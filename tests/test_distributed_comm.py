@@ -142,6 +142,20 @@ def test_memory_model_reflects_strategy() -> None:
     )
 
 
+def test_memory_model_owned_factors() -> None:
+    """Under FSDP2 a layer's factors count on the rank that decomposes it only: together
+    the ranks hold DDP's per-rank factors once."""
+    for world in (2, 4):
+        ddp = estimate_memory(DIMS, WorkerGrid(world, 1))
+        owned = estimate_memory(DIMS, WorkerGrid(world, 1), owned_factors=True)
+        full = ddp.per_rank[0]["factors"]
+        assert all(r["factors"] == full for r in ddp.per_rank)
+        assert sum(r["factors"] for r in owned.per_rank) == full
+        assert max(r["factors"] for r in owned.per_rank) < full
+        assert [r["decompositions"] for r in owned.per_rank] == [
+            r["decompositions"] for r in ddp.per_rank]
+
+
 def test_choose_fraction() -> None:
     comm = estimate_memory(DIMS, WorkerGrid(4, 4))
     mem = estimate_memory(DIMS, WorkerGrid(4, 1))
@@ -177,6 +191,9 @@ def test_local_communicator_is_noop() -> None:
     assert isinstance(comm, LocalCommunicator)
     t = torch.randn(4, 4)
     assert comm.allreduce_mean(t, symmetric=True).wait() is t
+    assert comm.reduce_mean(t, 0, symmetric=True).wait() is t
+    with pytest.raises(ValueError, match="dst must be 0"):
+        comm.reduce_mean(t, 1)
     assert comm.broadcast(t, 0, [0]).wait() is t
     comm.flush()
     comm.wait_all()
@@ -263,7 +280,33 @@ def _comm_job(rank: int, world: int) -> dict[str, object]:
         out[f"bcast_sent_{cap}"] = comm.stats.bytes_sent.get("decompositions", 0)
     with pytest.raises(ValueError, match="not registered"):
         comm.broadcast(torch.zeros(1), 0, [0, 3] if world == 4 else [0, 5])
+    out["reduce_calls"] = _reduce_job(rank, world)
     return out
+
+
+def _reduce_job(rank: int, world: int) -> int:
+    """``reduce_mean`` to each rank in turn, fused per destination: the mean on it only."""
+    comm = TorchDistCommunicator(bucket_cap_mb=25.0)
+    pending = []
+    for dst in range(world):
+        for symmetric in (True, False):
+            gen = torch.Generator().manual_seed(10 * rank + dst)
+            x = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+            m = torch.stack([x.T @ x, 2 * x.T @ x])
+            pending.append((dst, m, comm.reduce_mean(m, dst, symmetric=symmetric)))
+    comm.flush()
+    for dst, m, handle in pending:
+        got = handle.wait()
+        ref = m.clone()
+        torch.distributed.all_reduce(ref)
+        if rank == dst:
+            torch.testing.assert_close(got, ref / world, rtol=1e-12, atol=1e-12)
+        else:
+            assert got is m  # its own contribution, untouched
+    comm.wait_all()
+    with pytest.raises(ValueError, match="destination"):
+        comm.reduce_mean(torch.zeros(1), world)
+    return comm.stats.calls["factors"]
 
 
 @pytest.mark.distributed
@@ -276,3 +319,4 @@ def test_torch_dist_communicator(world: int) -> None:
     assert r0["calls_0.0"] == 7
     assert r0["calls_25.0"] == 2  # one bucket per dtype
     assert 2 < r0["calls_0.0005"] < 7
+    assert all(r["reduce_calls"] == world for r in results)  # one bucket per destination

@@ -8,9 +8,17 @@ unsharded, in one process on the global batch. With mean-reduced losses each ran
 gradients are ``W`` times the single-process ones, so the reference multiplies its loss by
 ``W`` for backward and divides the gradients by ``W`` before ``step()`` (as in
 ``tests/test_distributed.py``). The K-FAC side: the hooks see the unsharded weights and the
-local batch's activations and output gradients; factors are averaged over all ranks; each
-block's full gradient is gathered, preconditioned by its gradient workers (the placement of
-``grad_worker_fraction``) and each rank keeps its rows.
+local batch's activations and output gradients; factors are averaged over all ranks to the
+rank that decomposes them, which alone keeps them; each block's full gradient is gathered,
+preconditioned by its gradient workers (the placement of ``grad_worker_fraction``) and each
+rank keeps its rows.
+
+Running factors on their owners (every configuration, 2 and 4 ranks and HSDP): each rank
+keeps the running factors of exactly the blocks it decomposes (and the unplaced diagonal
+ones), equal to the single process's; together the ranks keep each Kronecker block's once,
+so the factor bytes per rank fall with the world size; ``state_dict(gather=True)`` gives
+every rank every factor, and loading it keeps the owner's only; the silent-block warning
+does not fire on ranks that keep no factor of a block.
 
 ``kaisa.EKFAC`` (Adam in the eigenbases, applied to the sharded parameters' rows) runs the
 same loop on a larger batch (40 per rank): with running factors starting from zero, the
@@ -27,6 +35,7 @@ rows, a missing average, a rank's own factors) is of the order of the step itsel
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -75,6 +84,7 @@ def _kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         grad_worker_fraction=cfg["strategy"], compute_method=cfg["method"],
         inv_dtype=torch.float64, factor_decay=0.9, damping=0.01, kl_clip=0.05, lr=0.1,
         inv_update_steps=2, update_factors_in_hook=cfg.get("in_hook", True),
+        colocate_factors=cfg.get("colocate", True),
     )
 
 
@@ -110,39 +120,57 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
         curvature = pre.curvature
     scale = float(world) if rank is None else 1.0
     steps = [[_full(p) for p in model.parameters()]]
-    for step in range(STEPS):
-        if gpt:
-            x, y = _batch(world, step, rank)
-        else:
-            x, y = _data(world, step, per_rank)
-            if rank is not None:
-                x, y = (t[rank * per_rank : (rank + 1) * per_rank] for t in (x, y))
-        opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss: torch.Tensor = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             y.reshape(-1)) * scale
-        loss.backward()
-        if rank is None:
-            for p in model.parameters():
-                assert p.grad is not None
-                p.grad.div_(world)
-        else:
-            assert all(isinstance(p.grad, DTensor) for p in model.parameters())
-        if pre is not None:
-            pre.step()
-        opt.step()
-        steps.append([_full(p) for p in model.parameters()])
+    # The silent-block warning must not fire on ranks that keep no factors of a block.
+    with warnings.catch_warnings(record=True) as silent:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            if gpt:
+                x, y = _batch(world, step, rank)
+            else:
+                x, y = _data(world, step, per_rank)
+                if rank is not None:
+                    x, y = (t[rank * per_rank : (rank + 1) * per_rank] for t in (x, y))
+            opt.zero_grad(set_to_none=True)
+            logits = model(x)
+            loss: torch.Tensor = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 y.reshape(-1)) * scale
+            loss.backward()
+            if rank is None:
+                for p in model.parameters():
+                    assert p.grad is not None
+                    p.grad.div_(world)
+            else:
+                assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+            if pre is not None:
+                pre.step()
+            opt.step()
+            steps.append([_full(p) for p in model.parameters()])
     held_ok = None
     if rank is not None:  # the core's entries keep only this rank's rows (gradients still set)
         held_ok = [e.direction.numel() == _held_count(e.block) and e.inner is not None
                    for e in curvature.precondition(0.01)]
-    engine = curvature.engine
+    engine, blocks = curvature.engine, curvature.blocks
+    placed = engine.placement.layers
+    gathered, reloaded = None, None
+    if pre is not None:  # a full state on every rank; loading it keeps the owners' factors
+        full = pre.state_dict(gather=True)
+        gathered = {n: (e.get("A"), e.get("G")) for n, e in full["layers"].items()}
+        pre.load_state_dict(full)
+        reloaded = sorted(n for n, b in blocks.items() if b.a is not None or b.g is not None)
     return {
         "steps": steps,
         "held_rows": held_ok,
         "fraction": float(engine.grid.fraction),
-        "factors": sorted(n for n, b in curvature.blocks.items()
+        "factors": sorted(n for n, b in blocks.items()
                           if b.g is not None and (b.diagonal or b.a is not None)),
+        # Running factors live where the placement decomposes them (every rank: unplaced).
+        "owners": sorted(n for n in blocks if n not in placed
+                         or engine.rank in (placed[n].a_rank, placed[n].g_rank)),
+        "values": {n: (b.a, b.g) for n, b in blocks.items() if b.a is not None or b.g is not None},
+        "factor_bytes": {n: b.memory_usage()["factors"] for n, b in blocks.items()},
+        "silent": [str(w.message) for w in silent if "did not fire" in str(w.message)],
+        "gathered": gathered,
+        "reloaded": reloaded,
         "blocks": sorted(curvature.blocks),
         "held": engine.placement.held_by(engine.rank),
     }
@@ -192,12 +220,41 @@ def _check(cfgs: list[dict[str, Any]], world: int,
         assert min(moved) > 1e-4, moved
         for rank_results in results:
             got = rank_results[i]
-            assert got["factors"] == ref["factors"], cfg
+            # Each rank keeps the running factors of the blocks it decomposes only, equal
+            # to the single process's.
+            assert got["factors"] == got["owners"] and set(got["values"]) == set(got["owners"])
+            assert not got["silent"], (cfg, got["silent"])
+            for name, sides in got["values"].items():
+                for have, want in zip(sides, ref["values"][name], strict=True):
+                    assert (have is None) == (want is None), (cfg, name)
+                    if have is not None:
+                        torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL)
+            if got["gathered"] is not None:  # state_dict(gather=True): every factor
+                assert got["reloaded"] == got["owners"], cfg
+                assert set(got["gathered"]) == set(ref["values"])
+                for name, sides in got["gathered"].items():
+                    for have, want in zip(sides, ref["values"][name], strict=True):
+                        assert (have is None) == (want is None), (cfg, name)
+                        if have is not None:
+                            torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL)
             for step, (want, have) in enumerate(zip(ref["steps"], got["steps"], strict=True)):
                 for w, h in zip(want, have, strict=True):
                     torch.testing.assert_close(h, w, rtol=RTOL, atol=ATOL,
                                                msg=f"{cfg} step {step}")
             assert all(got["held_rows"]), cfg
+        # Every block's factors are kept somewhere; a Kronecker block's (A and G
+        # colocated) on exactly one rank, so the factor bytes per rank fall with the
+        # world size: together they are the single process's. (Not colocated: on the
+        # two ranks that decompose A and G, both factors, which pi-damping reads.)
+        assert set().union(*(r[i]["factors"] for r in results)) == set(ref["factors"]), cfg
+        for name, nbytes in ref["factor_bytes"].items():
+            holders = [r[i]["factor_bytes"][name] for r in results
+                       if r[i]["factor_bytes"][name]]
+            unplaced = name not in {n for r in results for n in r[i]["held"]}
+            owners = sum(name in r[i]["owners"] for r in results)
+            assert holders == [nbytes] * owners, (cfg, name)
+            assert owners == (world if unplaced else 1 if cfg.get("colocate", True) else 2), (
+                cfg, name)
         for other in results[1:]:  # bit-identical parameters on every rank
             for a, b in zip(results[0][i]["steps"][-1], other[i]["steps"][-1], strict=True):
                 assert torch.equal(a, b), cfg
@@ -227,13 +284,14 @@ def test_fsdp2_two_ranks_equal_one_process() -> None:
 
 
 CONFIGS_4 = [{"strategy": "hybrid_opt", "method": "eigen"},
-             {"strategy": "mem_opt", "method": "inverse"}]
+             {"strategy": "mem_opt", "method": "inverse"},
+             {"strategy": "hybrid_opt", "method": "inverse", "colocate": False}]
 
 
 @pytest.mark.slow
 def test_fsdp2_four_ranks_equal_one_process() -> None:
     results = _check(CONFIGS_4, 4)
-    assert [r["fraction"] for r in results[0][:-1]] == [0.5, 0.25]
+    assert [r["fraction"] for r in results[0][:-1]] == [0.5, 0.25, 0.5]
 
 
 def test_hsdp_2x2_equals_one_process() -> None:

@@ -55,9 +55,8 @@ def decompose_assigned(
     mine: list[tuple[CurvatureBlock, Side, Damping]] = []
     for la in layers:
         lp = placement[la.name]
-        if rank not in (lp.a_rank, lp.g_rank):
+        if rank not in (lp.a_rank, lp.g_rank) or la.a is None or la.g is None:
             continue
-        assert la.a is not None and la.g is not None
         damping_a, damping_g = method.factor_damping(
             la.a, la.g, damping, diagonal=la.diagonal_sides)
         if lp.a_rank == rank:
@@ -118,16 +117,16 @@ def payload(
     """Tensors broadcast for one factor: the data on ``src``, buffers elsewhere.
 
     The source sends what it computed, else its previous result, else NaNs (which
-    receivers treat as "no result").
+    receivers treat as "no result"; also what a source without running factors sends).
+    Receivers may hold no running factor (under FSDP2 only the source does).
     """
-    factor = layer.a if side is Side.A else layer.g
-    assert factor is not None
+    shape = layer.factor_shape(side)
     diagonal = layer.is_diagonal(side)
-    shapes = method.payload_shapes(factor.shape[0], factor.shape[-1], diagonal=diagonal)
-    device = factor.device
+    shapes = method.payload_shapes(shape[0], shape[-1], diagonal=diagonal)
+    device = layer.weight.device
     if src != rank:
         return [torch.empty(s, dtype=inv_dtype, device=device) for s in shapes]
-    result = computed[(layer.name, side)] or method.stored(
+    result = computed.get((layer.name, side)) or method.stored(
         layer.decomposition, side, diagonal=layer.diagonal_sides)
     if result is not None:
         return result

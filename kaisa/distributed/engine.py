@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.config import DistributedConfig
+from kaisa.distributed.averaging import FactorAverages
 from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
 from kaisa.distributed.fsdp import ShardedBlocks
 from kaisa.distributed.memory import (
@@ -113,6 +114,9 @@ class DistributedEngine:
             "layer_groups": {name: layer.groups for name, layer in kron.items()},
             "diagonal_sides": {name: layer.diagonal_sides for name, layer in kron.items()},
         }
+        # Under FSDP2 / HSDP a Kronecker block's running factors live on the ranks that
+        # decompose it only (its batch factors are reduced to them); else on every rank.
+        self._owned_factors = any(layer.sharded() for layer in layers.values())
         self._grid = WorkerGrid(self._world, self._resolve_grad_workers())
         self._placement = place_layers(
             self._layer_dims, self._grid, config.assignment_strategy, config.colocate_factors,
@@ -128,7 +132,9 @@ class DistributedEngine:
         self._receiver_group = {
             w: receivers[self._grid.receiver_group_of(w)] for w in range(self._world)
         }
-        self._pending_factors: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
+        self._factors = FactorAverages(
+            layers, self._comm, self._placement, owned=self._owned_factors,
+            symmetry_aware=config.symmetry_aware, waiting=self._waiting)
         self._sharded = ShardedBlocks(self._comm, self._placement, self._waiting)
         if self._world > 1 and self._rank == 0:
             logger.log(config.loglevel, "%s", self._placement.describe())
@@ -140,6 +146,7 @@ class DistributedEngine:
             grid,
             assignment_strategy=cfg.assignment_strategy,
             colocate_factors=cfg.colocate_factors,
+            owned_factors=self._owned_factors,
             **self._sizes,
         )
 
@@ -201,6 +208,19 @@ class DistributedEngine:
         placed = self._placement.layers.get(name)
         return placed is None or placed.is_grad_worker(self._rank)
 
+    @property
+    def owned_factors(self) -> bool:
+        """Whether running factors live on their owners only (a model FSDP2 shards)."""
+        return self._owned_factors
+
+    def factor_holders(self, name: str) -> tuple[int, ...]:
+        """The ranks that keep block ``name``'s running factors (:meth:`FactorAverages.holders`)."""
+        return self._factors.holders(name)
+
+    def holds_factors(self, name: str) -> bool:
+        """Whether this rank keeps block ``name``'s running factors."""
+        return self._rank in self.factor_holders(name)
+
     def memory_estimates(self) -> dict[Fraction, MemoryEstimate]:
         """Modelled per-rank K-FAC memory for every valid ``grad_worker_fraction``.
 
@@ -219,43 +239,24 @@ class DistributedEngine:
     # ------------------------------------------------------------------ factors
     def layer_done(self, layer: CurvatureBlock) -> None:
         """Starts averaging ``layer``'s batch factors unless started or nothing recorded."""
-        if layer.name in self._pending_factors or not layer.stats.has_factors:
-            return
-        a_batch, g_batch = layer.stats.take()
-        sym = self._config.symmetry_aware  # diagonal sides (scale-shift's G too) unpacked
-        sym_a, sym_g = (sym and not layer.is_diagonal(side) for side in (Side.A, Side.G))
-        self._pending_factors[layer.name] = (
-            None if a_batch is None else self._comm.allreduce_mean(a_batch, symmetric=sym_a),
-            None if g_batch is None else self._comm.allreduce_mean(g_batch, symmetric=sym_g),
-        )
+        self._factors.layer_done(layer)
 
     def backward_end(self) -> None:
-        """Starts every remaining factor allreduce and launches all buckets."""
-        for layer in self._layers.values():
-            self.layer_done(layer)
-        self._comm.flush()
+        """Starts every remaining factor collective and launches all buckets."""
+        self._factors.backward_end()
 
     def averaged_factors(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Waits for every started factor allreduce.
-
-        Every rank folds the same averaged batch factors, so the running factors (and
-        the non-finite skips) stay identical on all ranks.
+        """Waits for every started factor collective (:meth:`FactorAverages.wait`).
 
         Returns:
-            ``name -> (A, G)`` batch factors averaged over ranks.
+            ``name -> (A, G)`` batch factors averaged over ranks (``None`` for a side
+            not recorded, and on a rank that does not keep the block's factors).
         """
-        self.backward_end()
-        with self._waiting():
-            averaged = {
-                name: (None if ha is None else ha.wait(), None if hg is None else hg.wait())
-                for name, (ha, hg) in self._pending_factors.items()
-            }
-        self._pending_factors.clear()
-        return averaged
+        return self._factors.wait()
 
     def drop_pending(self) -> None:
         """Forgets the factor averages started in an abandoned step (no step follows)."""
-        self._pending_factors.clear()
+        self._factors.drop()
 
     # ------------------------------------------------------------------ decompositions
     def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:
@@ -271,7 +272,10 @@ class DistributedEngine:
                 gradient worker, so it holds it) to start from
                 (:meth:`~kaisa.methods.SecondOrderMethod.refresh_dense`).
         """
-        layers = [la for la in self._layers.values() if la.a is not None and la.g is not None]
+        if self._owned_factors:  # only the owners know whether a block has factors
+            layers = [la for la in self._layers.values() if not la.diagonal]
+        else:
+            layers = [la for la in self._layers.values() if la.a is not None and la.g is not None]
         if not layers:
             return
         computed = decompose_assigned(

@@ -26,6 +26,14 @@ class LocalCommunicator:
         """Returns ``tensor`` unchanged (the mean over one rank)."""
         return DoneHandle(tensor)
 
+    def reduce_mean(
+        self, tensor: torch.Tensor, dst: int, *, symmetric: bool = False, kind: str = "factors"
+    ) -> CommHandle:
+        """Returns ``tensor`` unchanged (the mean over one rank, on rank 0)."""
+        if dst != 0:
+            raise ValueError(f"dst must be 0 in a single process, got {dst}")
+        return DoneHandle(tensor)
+
     def broadcast(
         self,
         tensor: torch.Tensor,

@@ -3,8 +3,9 @@
 The model counts, for every rank, the bytes of
 
 * ``factors``: the running A and G factors (``n`` elements for a diagonal factor,
-  ``n^2`` for a dense one); every rank keeps all of them because every rank takes part
-  in the factor allreduce;
+  ``n^2`` for a dense one); with DDP every rank keeps all of them (the factor
+  allreduce); under FSDP2 (``owned_factors``) only the ranks that decompose a layer's
+  factors keep them (they are reduced to those ranks), about ``1/world`` each;
 * ``decompositions``: eigenvectors and eigenvalues (``'eigen'``) or inverses
   (``'inverse'``) of the layers for which the rank is a gradient worker;
 * ``buffers``: the per-step batch factors held until the asynchronous
@@ -169,6 +170,7 @@ def estimate_memory(
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
     diagonal_sides: Mapping[str, Diagonal] | None = None,
+    owned_factors: bool = False,
 ) -> MemoryEstimate:
     """Models every rank's K-FAC memory for one grid.
 
@@ -190,6 +192,7 @@ def estimate_memory(
         colocate_factors: Placement option.
         diagonal_sides: The sides each layer keeps as diagonals (``n`` elements, not
             ``n^2``); missing layers have none.
+        owned_factors: Running factors only on the ranks that decompose them (FSDP2).
 
     Returns:
         The estimate.
@@ -201,13 +204,17 @@ def estimate_memory(
     groups = dict(layer_groups or {})
     diagonal = dict(diagonal_sides or {})
     placement = place_layers(layer_dims, grid, assignment_strategy, colocate_factors, diagonal)
-    factor_numel = sum(
-        groups.get(name, 1) * (_factor_numel(a, Side.A in diagonal.get(name, DENSE))
-                               + _factor_numel(g, Side.G in diagonal.get(name, DENSE)))
+    layer_numel = {
+        name: groups.get(name, 1) * (_factor_numel(a, Side.A in diagonal.get(name, DENSE))
+                                     + _factor_numel(g, Side.G in diagonal.get(name, DENSE)))
         for name, (a, g) in layer_dims.items()
-    )
+    }
+    factor_numel = sum(layer_numel.values())
     per_rank: list[dict[str, int]] = []
     for rank in range(grid.world_size):
+        held = factor_numel if not owned_factors else sum(
+            layer_numel[lp.name] for lp in placement.layers.values()
+            if rank in (lp.a_rank, lp.g_rank))
         decomp = 0
         received = 0
         for lp in placement.layers.values():
@@ -221,7 +228,7 @@ def estimate_memory(
         # Batch factors wait for the allreduce between backward and step().
         buffers = factor_numel + received if grid.world_size > 1 else factor_numel
         entry = {
-            "factors": factor_numel * itemsize,
+            "factors": held * itemsize,
             "decompositions": decomp * inv_size,
             "buffers": buffers * itemsize,
         }

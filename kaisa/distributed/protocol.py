@@ -76,6 +76,26 @@ class Communicator(Protocol):
         """
         ...
 
+    def reduce_mean(
+        self, tensor: torch.Tensor, dst: int, *, symmetric: bool = False, kind: str = "factors"
+    ) -> CommHandle:
+        """Averages ``tensor`` over all ranks onto rank ``dst`` only (asynchronously, fused).
+
+        Every rank contributes; buckets are grouped by destination.
+
+        Args:
+            tensor: Local contribution; it must not be modified before the
+                handle is waited on.
+            dst: The rank that receives the average.
+            symmetric: Send only the upper triangle of the ``(..., n, n)`` tensor.
+            kind: Counter key for :attr:`stats`.
+
+        Returns:
+            A handle whose ``wait()`` returns the average on ``dst`` (a new tensor) and
+            this rank's own ``tensor`` elsewhere.
+        """
+        ...
+
     def broadcast(
         self,
         tensor: torch.Tensor,

@@ -93,6 +93,10 @@ class _Bucket:
             self.flat = self._pack()
             comm.stats.add_sent(self.kind, self.nbytes)
             self.work = dist.all_reduce(self.flat, group=pg, async_op=True)
+        elif self.op == "reduce":  # src: the destination
+            self.flat = self._pack()
+            comm.stats.add_sent(self.kind, self.nbytes)
+            self.work = dist.reduce(self.flat, dst=self.src, group=pg, async_op=True)
         else:
             if comm.rank == self.src:
                 self.flat = self._pack()
@@ -122,11 +126,16 @@ class _Bucket:
             self.work = None
         flat = self.flat
         assert flat is not None
-        if self.op == "allreduce":
+        # A reduce's sum arrives on its destination only; elsewhere the entries keep
+        # their inputs (the engine drops them).
+        reduced = self.op == "allreduce" or (self.op == "reduce" and self.comm.rank == self.src)
+        if reduced:
             flat.div_(self.comm.world_size)
         for e in self.entries:
             chunk = flat[e.offset : e.offset + e.numel]
-            if self.op == "allreduce":
+            if self.op == "reduce" and not reduced:
+                e.result = e.tensor
+            elif self.op != "broadcast":
                 if e.symmetric:
                     n = int(e.tensor.shape[-1])
                     e.result = unpack_symmetric(chunk.view(*e.tensor.shape[:-2], -1), n)
@@ -141,7 +150,7 @@ class _Bucket:
                         e.tensor.copy_(chunk.view(e.tensor.shape))
                 e.result = e.tensor
             # Drop the reference to the local input (it may be large).
-            if self.op == "allreduce":
+            if self.op != "broadcast":
                 e.tensor = e.result
         if self.op != "allreduce":
             self.flat = None
@@ -283,6 +292,15 @@ class TorchDistCommunicator:
         """See :meth:`Communicator.allreduce_mean`."""
         world = tuple(range(self.world_size))
         return self._enqueue("allreduce", tensor, world, -1, symmetric, kind)
+
+    def reduce_mean(
+        self, tensor: torch.Tensor, dst: int, *, symmetric: bool = False, kind: str = "factors"
+    ) -> CommHandle:
+        """See :meth:`Communicator.reduce_mean`."""
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"reduce destination {dst} is not a rank < {self.world_size}")
+        world = tuple(range(self.world_size))
+        return self._enqueue("reduce", tensor, world, dst, symmetric, kind)
 
     def broadcast(
         self,

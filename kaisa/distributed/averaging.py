@@ -1,0 +1,137 @@
+"""Where each step's batch factors go: averaged to every rank, or reduced to their owners.
+
+With DDP (and one process) every rank averages every block's batch factors
+(``allreduce``) and keeps every running factor. For a model FSDP2 shards, a Kronecker
+block's batch factors are reduced (averaged) only to the ranks that decompose them
+(``reduce``, fused into one bucket per destination), which alone keep its running
+factors, so each rank's factor memory is about ``1/world`` of the total; diagonal blocks
+(not placed, preconditioned on every rank) are averaged to every rank as before.
+:class:`FactorAverages` starts these collectives as layers finish their backward pass and
+waits for them at ``step()``; :class:`~kaisa.distributed.DistributedEngine` delegates to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+
+import torch
+
+from kaisa.blocks import CurvatureBlock
+from kaisa.distributed.placement import Placement
+from kaisa.distributed.protocol import CommHandle, Communicator
+from kaisa.enums import Side
+
+__all__ = ["FactorAverages"]
+
+#: A side's averaged batch factor, or ``None``.
+_Pair = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+class FactorAverages:
+    """The factor collectives of one engine, and which ranks keep which running factors.
+
+    Args:
+        layers: The blocks, in model order (the same on every rank).
+        comm: The communicator (its ``rank`` and ``world_size`` are this engine's).
+        placement: The placement (who decomposes each Kronecker block).
+        owned: Running factors on their owners only (a model FSDP2 shards).
+        symmetry_aware: Send only the upper triangles of dense factors.
+        waiting: Context that accounts the time blocked in ``wait()``.
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[str, CurvatureBlock],
+        comm: Communicator,
+        placement: Placement,
+        *,
+        owned: bool,
+        symmetry_aware: bool,
+        waiting: Callable[[], AbstractContextManager[None]],
+    ) -> None:
+        self._layers = layers
+        self._comm = comm
+        self._placement = placement
+        self._owned = owned
+        self._sym = symmetry_aware
+        self._waiting = waiting
+        self._pending: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
+        # Reduces to other ranks that this rank contributes to (waited, results dropped).
+        self._contributions: list[CommHandle] = []
+
+    def holders(self, name: str) -> tuple[int, ...]:
+        """The ranks that keep block ``name``'s running factors.
+
+        Every rank, except for a Kronecker block of a model FSDP2 shards: there the ranks
+        that decompose its A or G factor (one rank with ``colocate_factors``) keep both
+        (the damping of either side reads both).
+        """
+        placed = self._placement.layers.get(name)
+        if placed is None or not self._owned:
+            return tuple(range(self._comm.world_size))
+        return tuple(sorted({placed.a_rank, placed.g_rank}))
+
+    def layer_done(self, layer: CurvatureBlock) -> None:
+        """Starts averaging ``layer``'s batch factors unless started or nothing recorded."""
+        if layer.name in self._pending or not layer.stats.has_factors:
+            return
+        a_batch, g_batch = layer.stats.take()
+        # Diagonal sides (scale-shift's G too) travel unpacked.
+        sym_a, sym_g = (self._sym and not layer.is_diagonal(side) for side in (Side.A, Side.G))
+        holders = self.holders(layer.name)
+        if len(holders) == self._comm.world_size:
+            comm = self._comm
+            self._pending[layer.name] = (
+                None if a_batch is None else comm.allreduce_mean(a_batch, symmetric=sym_a),
+                None if g_batch is None else comm.allreduce_mean(g_batch, symmetric=sym_g),
+            )
+            return
+        self._pending[layer.name] = (
+            self._reduce(a_batch, holders, sym_a), self._reduce(g_batch, holders, sym_g))
+
+    def _reduce(self, batch: torch.Tensor | None, holders: tuple[int, ...], symmetric: bool,
+                ) -> CommHandle | None:
+        """Reduces ``batch`` to each of ``holders``; this rank's handle if it is one."""
+        if batch is None:
+            return None
+        mine = None
+        for dst in holders:
+            handle = self._comm.reduce_mean(batch, dst, symmetric=symmetric, kind="factor_reduce")
+            if dst == self._comm.rank:
+                mine = handle
+            else:
+                self._contributions.append(handle)
+        return mine
+
+    def backward_end(self) -> None:
+        """Starts every remaining factor collective and launches all buckets."""
+        for layer in self._layers.values():
+            self.layer_done(layer)
+        self._comm.flush()
+
+    def wait(self) -> dict[str, _Pair]:
+        """Waits for every started factor collective.
+
+        Every rank that keeps a block's running factors (:meth:`holders`) gets the same
+        averaged batch factors, so they (and the non-finite skips) stay identical there.
+
+        Returns:
+            ``name -> (A, G)`` batch factors averaged over ranks (``None`` for a side
+            not recorded, and on a rank that does not keep the block's factors).
+        """
+        self.backward_end()
+        with self._waiting():
+            averaged = {
+                name: (None if ha is None else ha.wait(), None if hg is None else hg.wait())
+                for name, (ha, hg) in self._pending.items()
+            }
+            for handle in self._contributions:
+                handle.wait()
+        self.drop()
+        return averaged
+
+    def drop(self) -> None:
+        """Forgets the collectives started in an abandoned step (no step follows)."""
+        self._pending.clear()
+        self._contributions.clear()
