@@ -23,8 +23,13 @@ Configurations (``--only`` picks some; the machinery is ``bench/compare.py``'s):
   BatchNorm and bias vectors plain Adam).
 * ``adamw+kfac``: ``kaisa.KFACPreconditioner`` (damping 0.03, factors every step,
   inverses every 10, convolutions and the classifier) + AdamW 1e-2. Not in the default
-  run: in an aborted 32x32 run its validation loss was 1.6e3 at step 20 (training loss
-  0.86, BatchNorm in eval mode); not investigated yet.
+  run: its validation loss spikes early (1.6e3 at step 20 in an aborted 32x32 run,
+  training loss 0.86). The spike is BatchNorm's running statistics (eval mode) lagging
+  weights that move fast at the warmup's peak lr, not K-FAC: plain AdamW at the same lr
+  spikes too (``--only adamw+kfac,adamw@1e-2 --steps 40 --eval-every 10``: validation
+  loss at steps 10/20/30/40 AdamW 31.1/201.4/26.5/0.49, adamw+kfac 42.3/495.6/122.3/6.04;
+  training losses 0.58 and 0.71 at step 20). adamw+kfac recovers more slowly; its lr was
+  never tuned for this task.
 * ``ekfac@lr`` for lr 3e-3, 1e-2, 3e-2: ``kaisa.EKFAC`` (AdamW's betas and eps, factors every
   step, eigenbases by ``eigh`` every 10 steps), and ``ekfac-f5-b95@1e-2`` (the GPT's fast
   recipe: factors every 5 steps with decay 0.95**5, beta2 0.95; ``bench/compare.py``).
