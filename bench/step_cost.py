@@ -244,14 +244,15 @@ def gpt_runners(smoke: bool) -> list[Runner]:
             model.parameters(), lr=3e-3)
         runners.append(Runner(name, None, first_order_step(model, lm_loss, batches, opt),
                               *schedule()))
-    model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    pre = kaisa.KFACPreconditioner(model, damping=0.03, factor_update_steps=10,
-                                   inv_update_steps=100, lr=3e-3,
-                                   layer_kinds=("linear", "attention", "embedding"))
-    runners.append(Runner("kfac_pre 10/100 + adamw", "adamw",
-                          first_order_step(model, lm_loss, batches, opt, pre),
-                          *schedule(F=10, I=100), state_of(pre)))
+    for method in ("eigen", "inverse"):  # inverse: pi-damped inverses, two GEMMs a block
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        pre = kaisa.KFACPreconditioner(model, damping=0.03, factor_update_steps=10,
+                                       inv_update_steps=100, lr=3e-3, compute_method=method,
+                                       layer_kinds=("linear", "attention", "embedding"))
+        runners.append(Runner(f"kfac_pre 10/100{' inverse' * (method == 'inverse')} + adamw",
+                              "adamw", first_order_step(model, lm_loss, batches, opt, pre),
+                              *schedule(F=10, I=100), state_of(pre)))
     model = build()
     kfac = kaisa.KFAC(model, loss="cross_entropy")
     runners.append(Runner("kfac adaptive", "adam", kfac_step(model, batches, kfac),
