@@ -92,11 +92,17 @@ def eigen_decompositions(
     queued: list[tuple[list[int], EigenResult, torch.Tensor]] = []
     for members in _size_groups(factors).values():
         batch = torch.cat([factors[i] for i in members]).to(dtype)  # type: ignore[misc]
+        res: EigenResult | None = None
         if ops.eigh_checks_finite(batch):  # the CUDA op: its status is read below
-            vals, vecs, status = ops.eigh_status(batch)
-            queued.append((members, EigenResult(vals, vecs), status))
-            continue
-        res = _eigh(batch, dtype)
+            try:
+                vals, vecs, status = ops.eigh_status(batch)
+            except RuntimeError as err:  # a solver call rejected: the group is isolated
+                logger.debug("eigh failed in %s: %s", dtype, err)
+            else:
+                queued.append((members, EigenResult(vals, vecs), status))
+                continue
+        else:
+            res = _eigh(batch, dtype)
         failed = [] if res is not None else list(members)
         _store(results, factors, members, failed, res, inv_dtype)
         _isolate(results, factors, failed, len(members), dtype, inv_dtype, names)

@@ -139,6 +139,29 @@ def test_eigen_decompositions_isolate_a_factor_the_solver_fails(
 
 
 @pytest.mark.usefixtures("emulated_ext")
+def test_eigen_decompositions_isolate_a_group_whose_solver_call_is_rejected(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The status op raising (cuSOLVER rejects the batched call) splits the group too.
+
+    The emulator's XsyevBatched takes at most six n = 40 matrices per call while kaisa
+    believes in INT32_MAX elements: the group's batch of 7 is rejected, each factor alone
+    (4 and 3 matrices) is accepted.
+    """
+    monkeypatch.setenv("KAISA_EIGH_IMPL", "xsyev_batched")
+    host = [_spd_batch(4, 40, torch.float64), _spd_batch(3, 40, torch.float64)]
+    factors = [backend.to_device(f) for f in host]
+    previous = torch.ops.simt.set_xsyev_max_elements(6 * 40 * 40)
+    try:
+        results = linalg.eigen_decompositions(factors, inv_dtype=torch.float64)
+    finally:
+        torch.ops.simt.set_xsyev_max_elements(previous)
+    for f, res in zip(host, results, strict=True):
+        assert res is not None
+        _check_eigh(f, res.eigenvalues.cpu(), res.eigenvectors.cpu())
+
+
+@pytest.mark.usefixtures("emulated_ext")
 def test_eigen_decompositions_still_isolate_a_failing_factor(backend: Backend) -> None:
     """Skipping the Python re-check keeps the fallback: the op raises, the group is split."""
     good = _spd_batch(2, 40, torch.float32)
