@@ -319,7 +319,10 @@ def eigh_checks_finite(a: torch.Tensor) -> bool:
     ``info`` and the finiteness of every eigenvalue and eigenvector on the device, in its
     one host synchronisation, and raises :class:`torch.linalg.LinAlgError` otherwise
     (``csrc/SCHEMAS.md``), so a caller's own check would only add a second
-    synchronisation. The CPU kernel and the reference make no such promise.
+    synchronisation. The CPU kernel and the reference make no such promise. Where it is
+    true, :func:`eigh_status` runs the same kernel without the synchronisation (its
+    status covers ``info`` and finiteness), which :mod:`kaisa.linalg` uses to read a
+    whole decomposition round's statuses at once.
 
     Args:
         a: the (batch of) matrices :func:`eigh` is given.
