@@ -32,6 +32,7 @@ echo "simt_sanitize: ASan + UBSan build ready in $((t1 - t0))s"
 # -s: a sanitizer report goes to the terminal, not into pytest's captured output.
 LD_PRELOAD="$PRELOAD" "$PYTHON" -m pytest -q -s -p no:cacheprovider tests/test_simt.py \
   tests/test_cuda_host_work.py \
+  tests/test_cuda_eigh_status.py \
   tests/test_cuda_ops.py \
   tests/test_cuda_covariance_gemm.py
 echo "simt_sanitize: tests passed under ASan + UBSan in $(($(date +%s) - t1))s"

@@ -131,6 +131,7 @@ TORCH_LIBRARY(kaisa, m) {
       "eigen_precondition(Tensor grad, Tensor qa, Tensor qg, Tensor? da, Tensor? dg, "
       "Tensor? dgda, float damping) -> Tensor");
   m.def("batched_eigh(Tensor a) -> (Tensor, Tensor)");
+  m.def("batched_eigh_status(Tensor a) -> (Tensor, Tensor, Tensor)");
 }
 
 #ifdef KAISA_PYTHON_MODULE

@@ -57,7 +57,7 @@ void check_eigen_precondition_args(const at::Tensor& grad, const at::Tensor& qa,
                                    const std::optional<at::Tensor>& dg,
                                    const std::optional<at::Tensor>& dgda);
 
-// batched_eigh: a is (n, n) or (B, n, n), float32 or float64.
+// batched_eigh and batched_eigh_status: a is (n, n) or (B, n, n), float32 or float64.
 void check_batched_eigh_args(const at::Tensor& a);
 
 // Helper for the per-backend device check: every defined tensor must be on a
@@ -79,6 +79,8 @@ at::Tensor eigen_precondition(const at::Tensor& grad, const at::Tensor& qa, cons
                               const std::optional<at::Tensor>& dgda, double damping);
 
 std::tuple<at::Tensor, at::Tensor> batched_eigh(const at::Tensor& a);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batched_eigh_status(const at::Tensor& a);
 
 }  // namespace cpu
 }  // namespace kaisa

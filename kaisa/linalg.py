@@ -3,8 +3,9 @@
 A decomposition is first computed in the requested dtype (at least float32); if it
 raises or returns non-finite values it is retried in float64; if that fails too the
 caller gets ``None`` and keeps what it had. Factors of the same size are decomposed in
-one batched call with one host synchronisation per size group for the finiteness check:
-the CUDA op's own (it checks ``info`` and finiteness on the device), elsewhere ours.
+one batched call. On the CUDA extension the op leaves its status (``info`` and
+finiteness, checked on the device) there and a round reads every size group's status in
+one host synchronisation; elsewhere each group's results are checked by us.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def eigen_decompositions(
 ) -> list[EigenResult | None]:
     """Eigendecompose many factor batches, grouped by size, with the fallback ladder.
 
+    On the CUDA extension (:func:`kaisa.ops.eigh_checks_finite`) every size group is
+    queued with :func:`kaisa.ops.eigh_status` and all groups' statuses are read in one
+    host synchronisation at the end; elsewhere each group is checked as it completes.
+    A factor of a failed group is redone alone (float64 after the requested dtype).
+
     Args:
         factors: factor batches ``(B_i, n_i, n_i)`` (``None`` entries stay ``None``).
         inv_dtype: storage dtype of the results; decompositions run in
@@ -83,32 +89,87 @@ def eigen_decompositions(
     """
     results: list[EigenResult | None] = [None] * len(factors)
     dtype = working_dtype(inv_dtype)
+    queued: list[tuple[list[int], EigenResult, torch.Tensor]] = []
     for members in _size_groups(factors).values():
-        sizes = [factors[i].shape[0] for i in members]  # type: ignore[union-attr]
-        batch = torch.cat([factors[i] for i in members])  # type: ignore[misc]
-        res = _eigh(batch, dtype)
-        if res is not None:
-            vals = torch.split(res.eigenvalues.to(inv_dtype), sizes)
-            vecs = torch.split(res.eigenvectors.to(inv_dtype), sizes)
-            for i, v, q in zip(members, vals, vecs, strict=True):
-                results[i] = EigenResult(v, q)
-            continue
-        for i in members:  # isolate the failing factor, retry each in float64
-            f = factors[i]
-            assert f is not None
-            one = _eigh(f, dtype) if len(members) > 1 else None
-            if one is None and dtype != torch.float64:
-                one = _eigh(f, torch.float64)
-                if one is not None:
-                    logger.warning("eigendecomposition of %s retried in float64", _name(names, i))
-            if one is None:
-                logger.warning(
-                    "eigendecomposition of %s failed (non-finite or no convergence); keeping "
-                    "the previous decomposition", _name(names, i),
-                )
+        batch = torch.cat([factors[i] for i in members]).to(dtype)  # type: ignore[misc]
+        res: EigenResult | None = None
+        if ops.eigh_checks_finite(batch):  # the CUDA op: its status is read below
+            try:
+                vals, vecs, status = ops.eigh_status(batch)
+            except RuntimeError as err:  # a solver call rejected: the group is isolated
+                logger.debug("eigh failed in %s: %s", dtype, err)
+            else:
+                queued.append((members, EigenResult(vals, vecs), status))
                 continue
-            results[i] = EigenResult(one.eigenvalues.to(inv_dtype), one.eigenvectors.to(inv_dtype))
+        else:
+            res = _eigh(batch, dtype)
+        failed = [] if res is not None else list(members)
+        _store(results, factors, members, failed, res, inv_dtype)
+        _isolate(results, factors, failed, len(members), dtype, inv_dtype, names)
+    if queued:
+        # the round's only host synchronisation: one flag per matrix of every group
+        bad = torch.cat([(s != 0).any(dim=-1) for _, _, s in queued]).tolist()
+        offset = 0
+        for members, res, _ in queued:
+            failed = []
+            for i in members:
+                blocks = factors[i].shape[0]  # type: ignore[union-attr]
+                if any(bad[offset:offset + blocks]):
+                    failed.append(i)
+                offset += blocks
+            res.eigenvalues.clamp_(min=0.0)
+            _store(results, factors, members, failed, res, inv_dtype)
+            if failed:
+                logger.debug("eigh failed in %s for %s", dtype,
+                             [_name(names, i) for i in failed])
+            _isolate(results, factors, failed, len(members), dtype, inv_dtype, names)
     return results
+
+
+def _store(
+    results: list[EigenResult | None],
+    factors: Sequence[torch.Tensor | None],
+    members: list[int],
+    failed: list[int],
+    res: EigenResult | None,
+    inv_dtype: torch.dtype,
+) -> None:
+    """Splits a group's batched result into ``results``, except the ``failed`` members."""
+    if res is None or len(failed) == len(members):
+        return
+    sizes = [factors[i].shape[0] for i in members]  # type: ignore[union-attr]
+    vals = torch.split(res.eigenvalues.to(inv_dtype), sizes)
+    vecs = torch.split(res.eigenvectors.to(inv_dtype), sizes)
+    for i, v, q in zip(members, vals, vecs, strict=True):
+        if i not in failed:
+            results[i] = EigenResult(v, q)
+
+
+def _isolate(
+    results: list[EigenResult | None],
+    factors: Sequence[torch.Tensor | None],
+    failed: list[int],
+    group_size: int,
+    dtype: torch.dtype,
+    inv_dtype: torch.dtype,
+    names: Sequence[str] | None,
+) -> None:
+    """Redoes each failed factor alone: in ``dtype`` (if its group had others), then float64."""
+    for i in failed:
+        f = factors[i]
+        assert f is not None
+        one = _eigh(f, dtype) if group_size > 1 else None
+        if one is None and dtype != torch.float64:
+            one = _eigh(f, torch.float64)
+            if one is not None:
+                logger.warning("eigendecomposition of %s retried in float64", _name(names, i))
+        if one is None:
+            logger.warning(
+                "eigendecomposition of %s failed (non-finite or no convergence); keeping "
+                "the previous decomposition", _name(names, i),
+            )
+            continue
+        results[i] = EigenResult(one.eigenvalues.to(inv_dtype), one.eigenvectors.to(inv_dtype))
 
 
 def warm_eigen_decompositions(
@@ -140,6 +201,8 @@ def warm_eigen_decompositions(
     results: list[EigenResult | None] = [None] * len(factors)
     dtype = working_dtype(inv_dtype)
     warm = [i for i, q in enumerate(previous) if q is not None]
+    done: list[tuple[list[int], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    flags: list[torch.Tensor] = []
     for members in _size_groups([factors[i] if i in warm else None
                                  for i in range(len(factors))]).values():
         sizes = [factors[i].shape[0] for i in members]
@@ -154,9 +217,13 @@ def warm_eigen_decompositions(
         values = torch.take_along_dim(estimates, order, dim=-1).flip(-1).clamp(min=0.0)
         vecs_split, vals_split = torch.split(q, sizes), torch.split(values, sizes)
         finite = torch.stack([all_finite(t) for t in (*vecs_split, *vals_split)])
-        ok = finite.view(2, -1).all(dim=0).tolist()
-        for i, good, vals, vecs in zip(members, ok, vals_split, vecs_split, strict=True):
-            if good:
+        flags.append(finite.view(2, -1).all(dim=0))
+        done.append((members, vals_split, vecs_split))
+    ok = torch.cat(flags).tolist() if flags else []  # one host synchronisation for all groups
+    for members, vals_split, vecs_split in done:
+        good, ok = ok[:len(members)], ok[len(members):]
+        for i, fine, vals, vecs in zip(members, good, vals_split, vecs_split, strict=True):
+            if fine:
                 results[i] = EigenResult(vals.to(inv_dtype), vecs.to(inv_dtype))
     cold = [i for i in range(len(factors)) if results[i] is None]
     if cold:

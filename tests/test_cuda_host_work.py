@@ -9,6 +9,7 @@ where they need the log.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 
@@ -34,6 +35,11 @@ def _seed() -> None:
 
 def _log(prefix: str) -> list[str]:
     return [e for e in torch.ops.simt.launch_log() if e.startswith(prefix)]
+
+
+def _routines() -> list[str]:
+    names = ("syevjBatched", "XsyevBatched", "syevd")
+    return [e.split()[0] for e in torch.ops.simt.launch_log() if e.split()[0] in names]
 
 
 def _emulated_only(backend: Backend) -> None:
@@ -68,21 +74,88 @@ def emulated_ext(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     _emulated_only(backend)
     monkeypatch.setattr(ops, "_use_ext", lambda op, device: True)
     monkeypatch.setattr(torch.ops.kaisa, "batched_eigh", torch.ops.kaisa_simt.batched_eigh)
+    monkeypatch.setattr(torch.ops.kaisa, "batched_eigh_status",
+                        torch.ops.kaisa_simt.batched_eigh_status)
     yield
+
+
+def _round_factors(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Four factors in three size groups: n = 40 (two factors, 3 matrices), 8 and 20."""
+    return [_spd_batch(2, 40, dtype), _spd_batch(1, 40, dtype), _spd_batch(3, 8, dtype),
+            _spd_batch(2, 20, dtype)]
 
 
 @pytest.mark.usefixtures("emulated_ext")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_eigen_decompositions_synchronise_once_per_size_group(
+def test_eigen_decompositions_synchronise_once_per_round(
     backend: Backend, dtype: torch.dtype
 ) -> None:
-    """The op's own finiteness check is the only one: kaisa.linalg does not repeat it."""
-    host = [_spd_batch(2, 40, dtype), _spd_batch(1, 40, dtype), _spd_batch(3, 8, dtype)]
+    """Three size groups, one host synchronisation: every group's status is read at once.
+
+    The op's own finiteness check is the only one: kaisa.linalg does not repeat it.
+    """
+    host = _round_factors(dtype)
     factors = [backend.to_device(f) for f in host]
     torch.ops.simt.synchronize()
     torch.ops.simt.clear_launch_log()
     results = linalg.eigen_decompositions(factors, inv_dtype=dtype)
-    assert len(_log("sync")) == 2, _log("sync")  # two size groups (n = 40, n = 8)
+    assert len(_log("sync")) == 1, _log("sync")
+    assert sorted(_routines()) == ["XsyevBatched", "syevjBatched", "syevjBatched"]
+    for f, res in zip(host, results, strict=True):
+        assert res is not None
+        _check_eigh(f, res.eigenvalues.cpu(), res.eigenvectors.cpu())
+
+
+@pytest.mark.usefixtures("emulated_ext")
+@pytest.mark.parametrize("alone_fails", [False, True])
+def test_eigen_decompositions_isolate_a_factor_the_solver_fails(
+    backend: Backend, alone_fails: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A nonzero info in one group (matrix 2 of the n = 40 batch: factor "b") redoes only b.
+
+    As before the status was deferred: b is decomposed alone in float32 (syevd, one more
+    synchronisation); if that fails too, in float64 with the "retried in float64" warning.
+    The other factors keep their batched results; every result is a correct decomposition.
+    """
+    host = _round_factors(torch.float32)
+    factors = [backend.to_device(f) for f in host]
+    torch.ops.simt.inject_solver_info("XsyevBatched", 2, 3)
+    if alone_fails:
+        torch.ops.simt.inject_solver_info("syevd", 0, 3)
+    torch.ops.simt.synchronize()
+    torch.ops.simt.clear_launch_log()
+    with caplog.at_level(logging.WARNING, logger="kaisa"):
+        results = linalg.eigen_decompositions(factors, inv_dtype=torch.float32,
+                                              names=["a", "b", "c", "d"])
+    redos = 2 if alone_fails else 1
+    assert len(_log("sync")) == 1 + redos, _log("sync")
+    assert sorted(_routines()) == sorted(["XsyevBatched", "syevjBatched", "syevjBatched"]
+                                         + ["syevd"] * redos)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == (["eigendecomposition of b retried in float64"] if alone_fails else [])
+    for f, res in zip(host, results, strict=True):
+        assert res is not None and res.eigenvalues.dtype == torch.float32
+        _check_eigh(f, res.eigenvalues.cpu(), res.eigenvectors.cpu())
+
+
+@pytest.mark.usefixtures("emulated_ext")
+def test_eigen_decompositions_isolate_a_group_whose_solver_call_is_rejected(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The status op raising (cuSOLVER rejects the batched call) splits the group too.
+
+    The emulator's XsyevBatched takes at most six n = 40 matrices per call while kaisa
+    believes in INT32_MAX elements: the group's batch of 7 is rejected, each factor alone
+    (4 and 3 matrices) is accepted.
+    """
+    monkeypatch.setenv("KAISA_EIGH_IMPL", "xsyev_batched")
+    host = [_spd_batch(4, 40, torch.float64), _spd_batch(3, 40, torch.float64)]
+    factors = [backend.to_device(f) for f in host]
+    previous = torch.ops.simt.set_xsyev_max_elements(6 * 40 * 40)
+    try:
+        results = linalg.eigen_decompositions(factors, inv_dtype=torch.float64)
+    finally:
+        torch.ops.simt.set_xsyev_max_elements(previous)
     for f, res in zip(host, results, strict=True):
         assert res is not None
         _check_eigh(f, res.eigenvalues.cpu(), res.eigenvectors.cpu())
@@ -119,11 +192,6 @@ def test_the_cuda_kernel_promises_finite_eigh_results(backend: Backend) -> None:
 # --------------------------------------------------------------------------- #
 # KAISA_SYEVJ_MAX_N: where syevjBatched stops (a performance knee, not an API limit)
 # --------------------------------------------------------------------------- #
-
-
-def _routines() -> list[str]:
-    names = ("syevjBatched", "XsyevBatched", "syevd")
-    return [e.split()[0] for e in torch.ops.simt.launch_log() if e.split()[0] in names]
 
 
 @pytest.mark.parametrize("limit,n,routine", [(None, 20, "syevjBatched"),

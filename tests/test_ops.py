@@ -512,6 +512,8 @@ def _opcheck_cases() -> list[tuple[str, tuple[Any, ...]]]:
         ("eigen_precondition", (grad, qa, qg, None, None, torch.rand(2, 3, 4), 0.0)),
         ("batched_eigh", (a + a.transpose(1, 2),)),
         ("batched_eigh", (_sym(70, (3,), torch.float64),)),  # matrix-parallel CPU path
+        ("batched_eigh_status", (a + a.transpose(1, 2),)),
+        ("batched_eigh_status", (_sym(7, (), torch.float64),)),  # unbatched
     ]
 
 

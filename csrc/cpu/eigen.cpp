@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "../kaisa.h"
 
 namespace kaisa::cpu {
@@ -105,9 +107,47 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh(const at::Tensor& a) {
   return {vals, vecs};
 }
 
+// The status form: a matrix whose LAPACK call fails gets info 1 and NaN
+// results instead of an exception (the CPU kernel does not see LAPACK's own
+// code); the status is (B, 2) int32 [info, non-finite] as on the GPU
+// (csrc/SCHEMAS.md). Each matrix is decomposed alone, in parallel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batched_eigh_status(const at::Tensor& a_in) {
+  check_device_type(a_in, c10::DeviceType::CPU, "batched_eigh_status", "a");
+  check_batched_eigh_args(a_in);
+  const bool unbatched = a_in.dim() == 2;
+  const at::Tensor a = unbatched ? a_in.unsqueeze(0) : a_in;
+  const int64_t batch = a.size(0);
+  const int64_t n = a.size(-1);
+  at::Tensor vals = at::empty({batch, n}, a.options());
+  at::Tensor vecs = at::empty({batch, n, n}, a.options());
+  at::Tensor info = at::zeros({batch}, a.options().dtype(at::kInt));
+  int* inf = info.mutable_data_ptr<int>();
+  if (n > 0) {
+    at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        try {
+          auto [w, q] = at::linalg_eigh(a.select(0, b), "L");
+          vals.select(0, b).copy_(w);
+          vecs.select(0, b).copy_(q);
+        } catch (const c10::Error&) {
+          inf[b] = 1;
+          vals.select(0, b).fill_(std::numeric_limits<double>::quiet_NaN());
+          vecs.select(0, b).fill_(std::numeric_limits<double>::quiet_NaN());
+        }
+      }
+    });
+  }
+  const at::Tensor finite =
+      at::isfinite(vals).all(-1).logical_and(at::isfinite(vecs).flatten(1).all(-1));
+  at::Tensor status = at::stack({info, finite.logical_not().to(at::kInt)}, 1);
+  if (unbatched) return {vals.squeeze(0), vecs.squeeze(0), status.squeeze(0)};
+  return {vals, vecs, status};
+}
+
 }  // namespace kaisa::cpu
 
 TORCH_LIBRARY_IMPL(kaisa, CPU, m) {
   m.impl("eigen_precondition", &kaisa::cpu::eigen_precondition);
   m.impl("batched_eigh", &kaisa::cpu::batched_eigh);
+  m.impl("batched_eigh_status", &kaisa::cpu::batched_eigh_status);
 }

@@ -31,14 +31,19 @@
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/ops/isfinite.h>
+#include <ATen/ops/stack.h>
 #include <cusolverDn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #if defined(CUSOLVER_VERSION) && CUSOLVER_VERSION >= 11701
@@ -364,15 +369,49 @@ std::string describe_failure(EighImpl impl, int64_t b, int code, bool finite) {
   return ss.str();
 }
 
+// Host workspaces of XsyevBatched calls queued by batched_eigh_status (which
+// does not wait for them), each freed once an event recorded after its calls
+// has completed: cudaEventQuery, never a wait, on each later call. Like the
+// handles, the list is intentionally never destroyed.
+struct DeferredHostWorkspaces {
+  std::mutex mutex;
+  std::vector<std::pair<std::unique_ptr<at::cuda::CUDAEvent>, std::vector<std::vector<char>>>>
+      pending;
+
+  void reap() {
+    const std::lock_guard<std::mutex> lock(mutex);
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [](const auto& p) { return p.first->query(); }),
+                  pending.end());
+  }
+
+  void keep(std::vector<std::vector<char>>&& ws, const c10::cuda::CUDAStream& stream) {
+    if (ws.empty()) return;
+    auto done = std::make_unique<at::cuda::CUDAEvent>();
+    done->record(stream);
+    const std::lock_guard<std::mutex> lock(mutex);
+    pending.emplace_back(std::move(done), std::move(ws));
+  }
+};
+
+DeferredHostWorkspaces& deferred_host_workspaces() {
+  static auto* deferred = new DeferredHostWorkspaces();
+  return *deferred;
+}
+
+// Queues the decomposition of vecs_cm (in place) and vals; returns the status
+// (B, 2) int32 on the device without waiting: per matrix the solver's info and
+// 1 if an eigenvalue or eigenvector is not finite. XsyevBatched's host
+// workspaces are moved into `host_ws`, which must live until the queued calls ran.
 template <typename T>
-void eigh_impl(at::Tensor& vecs_cm, at::Tensor& vals, EighImpl impl) {
+at::Tensor eigh_impl(at::Tensor& vecs_cm, at::Tensor& vals, EighImpl impl,
+                     std::vector<std::vector<char>>& host_ws) {
   const int64_t batch = vecs_cm.size(0);
   const int64_t n = vecs_cm.size(1);
   at::Tensor info = at::zeros({batch}, vecs_cm.options().dtype(at::kInt));
   T* a = vecs_cm.mutable_data_ptr<T>();
   T* w = vals.mutable_data_ptr<T>();
   int* inf = info.mutable_data_ptr<int>();
-  std::vector<std::vector<char>> host_ws;  // must outlive the synchronisation below
 
   switch (impl) {
     case EighImpl::kSyevj:
@@ -391,36 +430,47 @@ void eigh_impl(at::Tensor& vecs_cm, at::Tensor& vals, EighImpl impl) {
       break;
   }
 
-  // The only device->host copy (the op's one host synchronisation): the info
-  // codes and a per-matrix "eigenvalues or eigenvectors not finite" flag. The
-  // results are thereby checked completely, so kaisa.linalg does not check them
-  // again (kaisa.ops.eigh_checks_finite).
   const at::Tensor finite =
       at::isfinite(vals).all(-1).logical_and(at::isfinite(vecs_cm).flatten(1).all(-1));
   const at::Tensor nonfinite = finite.logical_not().to(at::kInt);
-  const at::Tensor status = at::cat({info, nonfinite}).cpu();
+  return at::stack({info, nonfinite}, 1);
+}
+
+// Raises torch.linalg.LinAlgError naming the first failing matrix unless every
+// row of the (B, 2) status is zero. The status's copy to the host is the op's
+// only host synchronisation.
+void raise_on_failure(const at::Tensor& status_dev, EighImpl impl, at::ScalarType dtype,
+                      int64_t n) {
+  const int64_t batch = status_dev.size(0);
+  const at::Tensor status = status_dev.cpu();
   const int* st = status.const_data_ptr<int>();
   int failed = 0;
   std::string first;
   for (int64_t b = 0; b < batch; ++b) {
-    const int code = st[b];
-    const bool finite = st[batch + b] == 0;
+    const int code = st[2 * b];
+    const bool finite = st[2 * b + 1] == 0;
     if (code != 0 || !finite) {
       if (failed == 0) first = describe_failure(impl, b, code, finite);
       ++failed;
     }
   }
   TORCH_CHECK_LINALG(failed == 0, "kaisa::batched_eigh: cusolverDn ", impl_name(impl), " (",
-                     vecs_cm.scalar_type(), ", n=", n, ") failed for ", failed, " of ", batch,
+                     dtype, ", n=", n, ") failed for ", failed, " of ", batch,
                      " matrices; first failure: ", first,
                      ". Retrying in float64 may help.");
 }
 
-std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& a_in) {
-  check_device_type(a_in, c10::DeviceType::CUDA, "batched_eigh", "a");
-  check_batched_eigh_args(a_in);
+struct EighOutputs {
+  at::Tensor vals;
+  at::Tensor vecs;    // row-major, eigenvectors in columns
+  at::Tensor status;  // (B, 2) int32 on the device
+};
+
+// Both ops' common part: queues the decomposition and the status. With `wait`
+// the host workspaces are freed after raise_on_failure's synchronisation;
+// without it they are handed to deferred_host_workspaces.
+EighOutputs eigh_queued(const at::Tensor& a_in, bool wait) {
   const auto st = a_in.scalar_type();
-  const c10::cuda::CUDAGuard guard(a_in.device());
   const bool unbatched = a_in.dim() == 2;
   const at::Tensor a = unbatched ? a_in.unsqueeze(0) : a_in;
   const int64_t batch = a.size(0);
@@ -433,13 +483,18 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& a_in) {
   at::Tensor vecs_cm = at::empty({batch, n, n}, a.options());
   vecs_cm.copy_(a);
   at::Tensor vals = at::empty({batch, n}, a.options());
+  at::Tensor status = at::zeros({batch, 2}, a.options().dtype(at::kInt));
 
   if (batch > 0 && n > 0) {
+    deferred_host_workspaces().reap();
     const EighImpl impl = choose_impl(batch, n);
-    if (st == at::kFloat) {
-      eigh_impl<float>(vecs_cm, vals, impl);
+    std::vector<std::vector<char>> host_ws;  // must outlive the queued calls
+    status = st == at::kFloat ? eigh_impl<float>(vecs_cm, vals, impl, host_ws)
+                              : eigh_impl<double>(vecs_cm, vals, impl, host_ws);
+    if (wait) {
+      raise_on_failure(status, impl, st, n);
     } else {
-      eigh_impl<double>(vecs_cm, vals, impl);
+      deferred_host_workspaces().keep(std::move(host_ws), at::cuda::getCurrentCUDAStream());
     }
   }
 
@@ -447,8 +502,25 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& a_in) {
   // i.e. row k of the row-major tensor. The op contract (csrc/SCHEMAS.md)
   // promises contiguous outputs with eigenvectors in columns: transpose.
   at::Tensor vecs = vecs_cm.mT().contiguous();
-  if (unbatched) return {vals.squeeze(0), vecs.squeeze(0)};
-  return {vals, vecs};
+  if (unbatched) return {vals.squeeze(0), vecs.squeeze(0), status.squeeze(0)};
+  return {vals, vecs, status};
+}
+
+std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& a) {
+  check_device_type(a, c10::DeviceType::CUDA, "batched_eigh", "a");
+  check_batched_eigh_args(a);
+  const c10::cuda::CUDAGuard guard(a.device());
+  EighOutputs out = eigh_queued(a, /*wait=*/true);
+  return {out.vals, out.vecs};
+}
+
+// No host synchronisation: the caller reads the status when it chooses.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batched_eigh_status_cuda(const at::Tensor& a) {
+  check_device_type(a, c10::DeviceType::CUDA, "batched_eigh_status", "a");
+  check_batched_eigh_args(a);
+  const c10::cuda::CUDAGuard guard(a.device());
+  EighOutputs out = eigh_queued(a, /*wait=*/false);
+  return {out.vals, out.vecs, out.status};
 }
 
 }  // namespace
@@ -456,4 +528,5 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh_cuda(const at::Tensor& a_in) {
 
 TORCH_LIBRARY_IMPL(kaisa, CUDA, m) {
   m.impl("batched_eigh", &kaisa::cuda::batched_eigh_cuda);
+  m.impl("batched_eigh_status", &kaisa::cuda::batched_eigh_status_cuda);
 }

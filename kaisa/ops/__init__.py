@@ -60,6 +60,7 @@ __all__ = [
     "eigen_precondition",
     "eigh",
     "eigh_checks_finite",
+    "eigh_status",
     "extension_available",
     "extension_error",
     "kernels",
@@ -318,7 +319,10 @@ def eigh_checks_finite(a: torch.Tensor) -> bool:
     ``info`` and the finiteness of every eigenvalue and eigenvector on the device, in its
     one host synchronisation, and raises :class:`torch.linalg.LinAlgError` otherwise
     (``csrc/SCHEMAS.md``), so a caller's own check would only add a second
-    synchronisation. The CPU kernel and the reference make no such promise.
+    synchronisation. The CPU kernel and the reference make no such promise. Where it is
+    true, :func:`eigh_status` runs the same kernel without the synchronisation (its
+    status covers ``info`` and finiteness), which :mod:`kaisa.linalg` uses to read a
+    whole decomposition round's statuses at once.
 
     Args:
         a: the (batch of) matrices :func:`eigh` is given.
@@ -335,6 +339,46 @@ def _batched_eigh_fake(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _require(a.dim() in (2, 3), lambda: "kaisa batched_eigh: a must be (n, n) or (B, n, n)")
     _require(a.shape[-1] == a.shape[-2], lambda: "kaisa batched_eigh: a must be square")
     return a.new_empty(a.shape[:-1]), a.new_empty(a.shape)
+
+
+def eigh_status(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`eigh` without a host synchronisation: failures come back as a device status.
+
+    Nothing is read on the host: the caller reads the status (of many calls at once) when
+    it chooses. A failed matrix's results are unspecified (NaN on the CPU).
+
+    Args:
+        a: (B, n, n) or (n, n) float32 / float64 symmetric matrices (lower triangle read).
+
+    Returns:
+        ``(eigenvalues, eigenvectors, status)``: the first two as :func:`eigh`; ``status``
+        int32 ``a.shape[:-2] + (2,)`` on ``a``'s device, per matrix ``[info, non-finite]``:
+        the solver's ``info`` (0 on success) and 1 where an eigenvalue or eigenvector is
+        not finite. A matrix succeeded when both are 0.
+
+    Raises:
+        TypeError: if ``a`` is not float32 or float64.
+        ValueError: if ``a`` is not a (batch of) square matrices.
+    """
+    t = _check_float_tensor(a, "a", (2, 3))
+    if t.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"a must be float32 or float64, got {t.dtype}")
+    if t.shape[-1] != t.shape[-2]:
+        raise ValueError(f"a must hold square matrices, got shape {tuple(t.shape)}")
+    if _use_ext("batched_eigh_status", t.device):
+        vals, vecs, status = torch.ops.kaisa.batched_eigh_status(t)
+        return vals, vecs, status
+    return _reference.eigh_status(t)
+
+
+@_fake("batched_eigh_status")
+def _batched_eigh_status_fake(
+    a: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _require(a.dim() in (2, 3), lambda: "kaisa batched_eigh: a must be (n, n) or (B, n, n)")
+    _require(a.shape[-1] == a.shape[-2], lambda: "kaisa batched_eigh: a must be square")
+    status = a.new_empty((*a.shape[:-2], 2), dtype=torch.int32)
+    return a.new_empty(a.shape[:-1]), a.new_empty(a.shape), status
 
 
 OPS: tuple[str, ...] = tuple(_FAKES)

@@ -10,6 +10,8 @@ Inputs are assumed to be validated by the caller (:mod:`kaisa.ops`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,7 @@ __all__ = [
     "covariance",
     "eigen_precondition",
     "eigh",
+    "eigh_status",
 ]
 
 
@@ -161,3 +164,31 @@ def eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     vals, vecs = torch.linalg.eigh(a)
     return vals, vecs
+
+
+def eigh_status(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`eigh` that reports failures in a status tensor instead of raising.
+
+    Args:
+        a: (n, n) or (B, n, n) symmetric matrices.
+
+    Returns:
+        Eigenvalues, eigenvectors (as :func:`eigh`) and an int32 status ``a.shape[:-2] +
+        (2,)``: per matrix ``[info, non-finite]``, ``info`` 1 where the solver raised (its
+        results are then NaN), ``non-finite`` 1 where a result is not finite.
+    """
+    batch = a if a.dim() == 3 else a.unsqueeze(0)
+    vals = batch.new_empty(batch.shape[:-1])
+    vecs = batch.new_empty(batch.shape)
+    info = torch.zeros(batch.shape[0], dtype=torch.int32, device=a.device)
+    for b in range(batch.shape[0]):
+        try:
+            vals[b], vecs[b] = torch.linalg.eigh(batch[b])
+        except RuntimeError:  # torch.linalg.LinAlgError
+            info[b] = 1
+            vals[b], vecs[b] = math.nan, math.nan
+    finite = torch.isfinite(vals).all(-1) & torch.isfinite(vecs).flatten(1).all(-1)
+    status = torch.stack([info, (~finite).to(torch.int32)], dim=1)
+    if a.dim() == 2:
+        return vals[0], vecs[0], status[0]
+    return vals, vecs, status

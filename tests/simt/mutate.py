@@ -26,7 +26,8 @@ from tests.simt.build import CSRC_ENV, ROOT, asan_runtime
 
 WORK = ROOT / "build" / "simt-mutant-src" / "csrc"
 TESTS = ["tests/test_cuda_ops.py", "tests/test_cuda_host_work.py",
-         "tests/test_cuda_covariance_gemm.py", "tests/test_simt.py"]
+         "tests/test_cuda_eigh_status.py", "tests/test_cuda_covariance_gemm.py",
+         "tests/test_simt.py"]
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,11 @@ MUTATIONS = [
              "const int ldb = tb ? k : n;", "const int ldb = tb ? n : k;",
              "gemm_rm swaps the leading dimension of B"),
     Mutation("info-ignored", "ignored info", "cuda/eigh.cu",
-             "const int code = st[b];", "const int code = 0;",
+             "const int code = st[2 * b];", "const int code = 0;",
              "batched_eigh ignores cuSOLVER's per-matrix info"),
+    Mutation("status-info-ignored", "ignored info", "cuda/eigh.cu",
+             "return at::stack({info, nonfinite}, 1);", "return at::stack({nonfinite, nonfinite}, 1);",
+             "batched_eigh_status's device status drops cuSOLVER's per-matrix info"),
     Mutation("uplo", "wrong triangle", "cuda/eigh.cu",
              "kUplo = CUBLAS_FILL_MODE_UPPER;", "kUplo = CUBLAS_FILL_MODE_LOWER;",
              "batched_eigh reads the row-major upper triangle"),
