@@ -18,8 +18,8 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 0
     tasks = results["tasks"]
     assert set(tasks) == {"resnet32", "autoencoder", "gpt"}
-    assert set(tasks["gpt"]) == {"adamw", "adam", "kfac_pre 10/100 + adamw", "kfac adaptive",
-                                 "ekfac"}
+    assert set(tasks["gpt"]) == {"adamw", "adam", "kfac_pre 10/100 + adamw",
+                                 "kfac_pre 10/100 inverse + adamw", "kfac adaptive", "ekfac"}
     for entries in tasks.values():
         for name, entry in entries.items():
             split = entry["ms_by_category"]
@@ -61,10 +61,15 @@ def test_fsdp_memory_smoke(tmp_path: Path) -> None:
         for kind in shard_kinds:
             assert fsdp["memory_max_rank"][kind] < 0.6 * ddp["memory_max_rank"][kind], kind
         assert abs(fsdp["final_loss_rank0"] - ddp["final_loss_rank0"]) < 1e-4
+    # FSDP2 reduces each Kronecker block's factors to its owners (the diagonal blocks' are
+    # still averaged to every rank), so a rank keeps fewer running factors than under DDP.
+    for strategy in ("mem_opt", "comm_opt"):
+        assert (rows[("fsdp2", strategy)]["memory_max_rank"]["factors"]
+                < rows[("ddp", strategy)]["memory_max_rank"]["factors"]), strategy
     # Gradient traffic: FSDP2 gathers to the workers (and sends rows back under MEM-OPT).
     assert set(rows[("fsdp2", "mem_opt")]["kfac_bytes_per_step_max_rank"]) == {
-        "factors", "gradient_gather", "gradients"}
+        "factor_reduce", "factors", "gradient_gather", "gradients"}
     assert set(rows[("fsdp2", "comm_opt")]["kfac_bytes_per_step_max_rank"]) == {
-        "factors", "gradient_gather"}
+        "factor_reduce", "factors", "gradient_gather"}
     assert set(rows[("ddp", "comm_opt")]["kfac_bytes_per_step_max_rank"]) == {"factors"}
     assert "| 2 | fsdp2 | mem_opt |" in module.table(results)
