@@ -37,7 +37,7 @@ from kaisa.callsites import CallSite
 from kaisa.dtypes import working_dtype
 from kaisa.enums import KFACApprox, Side
 from kaisa.finite import all_finite
-from kaisa.shards import held_parts, is_sharded, rows_of, take_held
+from kaisa.shards import held_parts, is_sharded, rows_of
 
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
@@ -330,7 +330,8 @@ class CurvatureBlock:
         """Copies a ``(groups, out/groups, n)`` matrix into the parameters' ``.grad``.
 
         For a block whose parameters FSDP2 shards (:meth:`sharded`), ``matrix`` is the
-        rows this rank holds, flat (:meth:`held_rows`), as the core's entries carry them.
+        rows this rank holds, flat (:func:`kaisa.shards.take_held`), as the core's entries
+        carry them.
         """
         assert self.weight.grad is not None
         for p, part, rows in zip(self.parameters(), self.parts(matrix), self.row_slices(),
@@ -342,7 +343,7 @@ class CurvatureBlock:
         """One tensor per parameter, what :func:`kaisa.shards.rows_of` this rank writes.
 
         :meth:`split` of a full matrix; for a sharded block, of the held rows
-        (:meth:`held_rows`): the rows of each parameter this rank's shard holds.
+        (:func:`kaisa.shards.take_held`): the rows of each parameter this rank's shard holds.
         """
         if self.sharded():
             return held_parts(matrix, self.parameters(), self.row_slices())
@@ -351,13 +352,6 @@ class CurvatureBlock:
     def sharded(self) -> bool:
         """Whether FSDP2 shards the block's parameters (``DTensor`` objects)."""
         return is_sharded(self.weight)
-
-    def held_rows(self, matrix: torch.Tensor) -> torch.Tensor:
-        """The rows of a full ``matrix`` this rank's shards hold, flat (sharded blocks).
-
-        The inverse of the sharded :meth:`write_grad` (:func:`kaisa.shards.take_held`).
-        """
-        return take_held(self.parameters(), self.split(matrix), self.row_slices())
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
