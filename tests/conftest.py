@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kaisa.ops
+from tests.support.backends import Backend, backend_params, load
 
 
 @pytest.fixture
@@ -44,3 +45,16 @@ def each_backend(request):
 def device(request):
     """Runs the test once per device (CUDA tests carry the gpu marker)."""
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="module", params=backend_params())
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Where the CUDA kernels run: a GPU, or the SIMT emulator (tests/support/backends.py)."""
+    return load(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _seed_backend_tests(request: pytest.FixtureRequest) -> None:
+    """Every test of the CUDA kernels (those using ``backend``) starts from seed 0."""
+    if "backend" in request.fixturenames:
+        torch.manual_seed(0)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.support.backends import Backend, backend_params, load
+from tests.support.backends import Backend
 from tests.support.cases import CONV_OP_CASES, ConvOpCase, conv_op_id
 from tests.test_cuda_ops import (
     DTYPES,
@@ -28,16 +28,6 @@ from tests.test_cuda_ops import (
     _check_covariance,
     _rand,
 )
-
-
-@pytest.fixture(scope="module", params=backend_params())
-def backend(request: pytest.FixtureRequest) -> Backend:
-    return load(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
 
 
 @pytest.fixture

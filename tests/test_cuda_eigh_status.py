@@ -14,20 +14,10 @@ import torch
 
 import kaisa.ops as ops
 from kaisa.ops import _reference as ref
-from tests.support.backends import Backend, backend_params, load
+from tests.support.backends import Backend
 from tests.test_cuda_ops import EIGH_IMPLS, _check_eigh, _runs, _spd_batch
 
 _ROUTINES = {"syevj": "syevjBatched", "xsyev_batched": "XsyevBatched", "syevd": "syevd"}
-
-
-@pytest.fixture(scope="module", params=backend_params())
-def backend(request: pytest.FixtureRequest) -> Backend:
-    return load(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
 
 
 def _failed(status: torch.Tensor) -> list[bool]:

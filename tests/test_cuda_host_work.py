@@ -19,18 +19,8 @@ import torch
 import kaisa.ops as ops
 from kaisa import linalg
 from kaisa.ops import _reference as ref
-from tests.support.backends import Backend, backend_params, load
+from tests.support.backends import Backend
 from tests.test_cuda_ops import _assert_close_rel, _check_eigh, _rand, _runs, _spd_batch
-
-
-@pytest.fixture(scope="module", params=backend_params())
-def backend(request: pytest.FixtureRequest) -> Backend:
-    return load(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
 
 
 def _log(prefix: str) -> list[str]:

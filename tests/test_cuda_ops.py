@@ -26,19 +26,8 @@ import torch
 
 import kaisa.ops as ops
 from kaisa.ops import _reference as ref
-from tests.support.backends import Backend, backend_params, load
+from tests.support.backends import Backend
 from tests.support.cases import CONV_OP_CASES, ConvOpCase, conv_op_id
-
-
-@pytest.fixture(scope="module", params=backend_params())
-def backend(request: pytest.FixtureRequest) -> Backend:
-    return load(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
-
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
