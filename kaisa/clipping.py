@@ -14,6 +14,7 @@ import torch
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.finite import all_finite
+from kaisa.shards import is_sharded, rows_of
 
 __all__ = ["guarded_directions", "parameter_directions", "write_preconditioned"]
 
@@ -81,20 +82,22 @@ def parameter_directions(
 
     Returns:
         One direction per parameter; a parameter several blocks share gets each block's
-        rows (the other rows keep ``raw``'s).
+        rows (the other rows keep ``raw``'s). Under FSDP2 (``DTensor`` parameters and
+        gradients, the entries carrying the rows this rank holds) each direction is a
+        ``DTensor`` like its gradient, with this rank's rows written.
     """
     directions = list(raw)
     index = {id(p): i for i, p in enumerate(params)}
     for block, matrix in guarded_directions(pairs, kl_clip=None, lr=1.0):
-        for p, part, rows in zip(block.parameters(), block.split(matrix),
+        for p, part, rows in zip(block.parameters(), block.parts(matrix),
                                  block.row_slices(), strict=True):
             if id(p) not in index:  # a frozen parameter
                 continue
             i = index[id(p)]
-            if rows is None:
+            if rows is None and not is_sharded(p):
                 directions[i] = part
-            else:  # the block's rows of a parameter several blocks share
+            else:  # some rows: a parameter several blocks share, or a rank's shard's rows
                 if directions[i] is raw[i]:
                     directions[i] = raw[i].clone()
-                directions[i][rows] = part
+                rows_of(directions[i], p, rows).copy_(part)
     return directions

@@ -46,7 +46,7 @@ from kaisa.optimizer_config import (
 from kaisa.profiling import phase, timed
 from kaisa.quadratic import lm_damping
 from kaisa.replay import RandomState, replayed
-from kaisa.shards import refuse_sharded
+from kaisa.shards import is_sharded
 
 __all__ = ["KFAC", "Curvature", "lm_damping"]
 
@@ -144,7 +144,15 @@ class KFAC(torch.optim.Optimizer):
         self.scaling = LossScaling(grad_scaler)
         self._reduced_precision = False
         self._schedules = Schedules({name: getattr(config.kfac, name) for name in _SCHEDULES})
-        refuse_sharded(model, "kaisa.KFAC")
+        #: Every name of each parameter (before FSDP2 may swap the module attributes).
+        self._names = quadratic.parameter_names(model)
+        if (config.adaptive_lr and config.jvp is JacobianMethod.DOUBLE_BACKWARD
+                and any(map(is_sharded, params))):
+            raise ValueError(
+                "kaisa.KFAC on a model FSDP2 shards needs jvp='forward' (the default): "
+                "'double_backward' differentiates the parameters, which FSDP2 replaces "
+                "by their all-gathered copies during the forward pass"
+            )
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2, settings=config.settings())
         covered = {id(p) for b in self.curvature.blocks.values() for p in b.parameters()}
         rest: list[torch.Tensor] = [p for p in params if id(p) not in covered]
@@ -280,7 +288,7 @@ class KFAC(torch.optim.Optimizer):
                 assert rng is not None
                 linearization = quadratic.ForwardLinearization(
                     self._model, lambda: full_precision_outputs(closure()[0]), covered,
-                    lambda: replayed(self._model, rng),
+                    lambda: replayed(self._model, rng), self._names,
                 )
             built = backward_passes(cfg, curvature, self.loss, self.scaling, outputs, loss,
                                     factor_step=factor_step, params=params, covered=covered,
@@ -331,7 +339,7 @@ class KFAC(torch.optim.Optimizer):
         return quadratic.quadratic_model(
             self.loss, outputs, linearization, raw, vectors,
             regularization=self.damping + self.config.weight_decay,
-            unit_products=self._reduced_precision,
+            unit_products=self._reduced_precision, mean=self.curvature.mean_over_ranks,
         )
 
     # ------------------------------------------------------------------ helpers

@@ -18,17 +18,20 @@ Gauss-Newton matrix of the loss on the batch (Martens & Grosse 2015, section 7):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, MutableMapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
 import torch.autograd.forward_ad as fwad
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
+from kaisa.fsdp_tangents import UnitTangents
 from kaisa.losses import Loss
 from kaisa.profiling import phase
+from kaisa.shards import shard_count
 
 __all__ = [
     "ForwardLinearization",
@@ -39,6 +42,7 @@ __all__ = [
     "lm_damping",
     "minimise",
     "minimise_over_ranks",
+    "parameter_names",
     "predicted_change",
     "quadratic_model",
     "solve",
@@ -114,6 +118,12 @@ class ForwardLinearization:
         outputs_of: Runs the closure's forward pass and returns the outputs.
         params: The parameters ``J`` is taken with respect to (all of ``model``'s).
         replay: The context a replayed forward pass runs in.
+        names: Every name of each parameter in ``model``, by ``id`` (default: from
+            ``model.named_parameters``; give it when FSDP2 may have swapped them).
+
+    Parameters FSDP2 shards (``DTensor`` objects; their vectors too) get their dual values
+    from inside their unit's forward (:class:`kaisa.fsdp_tangents.UnitTangents`), the
+    others through ``functional_call``.
     """
 
     def __init__(
@@ -122,13 +132,18 @@ class ForwardLinearization:
         outputs_of: Callable[[], torch.Tensor],
         params: list[torch.Tensor],
         replay: Callable[[], AbstractContextManager[Any]],
+        names: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
-        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-        missing = [i for i, p in enumerate(params) if id(p) not in names]
-        if missing:
+        names = parameter_names(model) if names is None else names
+        if any(id(p) not in names for p in params):
             raise ValueError("KFAC's parameters must all belong to its model")
-        self._names = [names[id(p)] for p in params]
-        self._primals = {name: p.detach() for name, p in zip(self._names, params, strict=True)}
+        self._plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+        sharded = [i for i, p in enumerate(params) if isinstance(p, DTensor)]
+        self._sharded = sharded
+        self._names = [names[id(params[i])][0] for i in self._plain]
+        self._primals = {self._names[n]: params[i].detach() for n, i in enumerate(self._plain)}
+        self._units = (UnitTangents(model, [params[i] for i in sharded], names)
+                       if sharded else None)
         self._model, self._outputs_of, self._replay = model, outputs_of, replay
 
     def _outputs(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -143,17 +158,26 @@ class ForwardLinearization:
         out = []
         for n, v in enumerate(vectors):
             norm = 1.0 if norms is None or not norms[n] > 0 else norms[n]
-            tangents = {name: t if norm == 1.0 else t / norm
-                        for name, t in zip(self._names, v, strict=True)}
+            tangents = [t if norm == 1.0 else t / norm for t in v]
             # no grad mode: the hooks of the curvature core record nothing here
             with torch.no_grad(), self._replay(), fwad.dual_level():
-                duals = {name: fwad.make_dual(self._primals[name], t)  # type: ignore[no-untyped-call]
-                         for name, t in tangents.items()}
-                primal, jv = fwad.unpack_dual(self._outputs(duals))  # type: ignore[no-untyped-call]
+                duals = {name: fwad.make_dual(self._primals[name], tangents[i])  # type: ignore[no-untyped-call]
+                         for name, i in zip(self._names, self._plain, strict=True)}
+                with (self._units.installed([tangents[i] for i in self._sharded])
+                      if self._units is not None else nullcontext()):
+                    primal, jv = fwad.unpack_dual(self._outputs(duals))  # type: ignore[no-untyped-call]
             if jv is None:  # the outputs do not depend on the parameters
                 jv = torch.zeros_like(primal)
             out.append(jv.detach() if norm == 1.0 else jv.detach() * norm)
         return out
+
+
+def parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter of ``model`` (tied ones have several), by ``id``."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
 
 
 class _Call(nn.Module):
@@ -168,14 +192,36 @@ class _Call(nn.Module):
         return self._outputs_of()
 
 
-def gram(vectors: list[list[torch.Tensor]]) -> torch.Tensor:
-    """Dot products ``vectors[i] . vectors[j]`` (over all parameters), float64."""
+def gram(
+    vectors: list[list[torch.Tensor]],
+    mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Dot products ``vectors[i] . vectors[j]`` (over all parameters), float64.
+
+    Args:
+        vectors: One tensor per parameter in each; a parameter FSDP2 shards is a
+            ``DTensor`` in every vector.
+        mean: The mean over ranks, needed when a parameter is sharded: each rank sums
+            its shards' products, times :func:`~kaisa.shards.shard_count` (an HSDP
+            replica holds the same shards), and the mean over ranks is the whole sum.
+    """
     k = len(vectors)
     device = vectors[0][0].device
     out = torch.zeros(k, k, dtype=torch.float64, device=device)
+    sharded: torch.Tensor | None = None
     for parts in zip(*vectors, strict=True):
-        rows = torch.stack([t.reshape(-1) for t in parts]).double()
-        out.add_(rows @ rows.T)
+        first = parts[0]
+        if isinstance(first, DTensor):
+            rows = torch.stack([t.to_local().reshape(-1) for t in parts]).double()
+            sharded = (rows @ rows.T).mul_(shard_count(first)).add_(
+                0 if sharded is None else sharded)
+        else:
+            rows = torch.stack([t.reshape(-1) for t in parts]).double()
+            out.add_(rows @ rows.T)
+    if sharded is not None:
+        if mean is None:
+            raise ValueError("gram of sharded vectors needs the mean over ranks")
+        out.add_(mean(sharded))
     return out
 
 
@@ -188,6 +234,7 @@ def quadratic_model(
     *,
     regularization: float,
     unit_products: bool = False,
+    mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``Q_ij = v_i.(C + r I) v_j``, ``b_i = g.v_i`` and ``D_ij = v_i.v_j``, float64.
 
@@ -200,12 +247,13 @@ def quadratic_model(
         regularization: ``r``, the damping plus the weight decay.
         unit_products: Compute ``J v`` for unit vectors and scale back (half-precision
             graphs: no over- or underflow).
+        mean: The mean over ranks (:func:`gram`'s, for parameters FSDP2 shards).
 
     Returns:
         ``(Q, b, D)``.
     """
     k = len(vectors)
-    products = gram([raw, *vectors])  # [g, v_1, ..., v_k] pairwise dot products
+    products = gram([raw, *vectors], mean)  # [g, v_1, ..., v_k] pairwise dot products
     norms = products.diagonal()[1:].sqrt().tolist() if unit_products else None
     with phase("jacobian_vector_products"):
         jvs = linearization.jacobian_vector_products(vectors, norms)

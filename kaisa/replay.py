@@ -8,7 +8,8 @@ function as the training forward and leave no trace:
   (same dropout masks), and restored afterwards (the training stream goes on untouched);
 * module buffers (BatchNorm running statistics and counts) are restored afterwards;
 * attention runs on PyTorch's math kernel of ``F.scaled_dot_product_attention``, the one
-  with forward-mode derivatives (the fused CPU/CUDA kernels have none).
+  with forward-mode derivatives (the fused CPU/CUDA kernels have none);
+* a model FSDP2 shards is resharded afterwards (:func:`kaisa.fsdp_tangents.reshard`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kaisa.fsdp_tangents import reshard
 
 __all__ = ["RandomState", "replayed"]
 
@@ -59,3 +62,4 @@ def replayed(model: nn.Module, state: RandomState) -> Iterator[None]:
             with torch.no_grad():
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
+            reshard(model)  # FSDP2 leaves the root unsharded after a no-grad forward

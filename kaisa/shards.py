@@ -26,8 +26,8 @@ from torch.distributed.tensor._utils import (
 )
 
 __all__ = [
-    "held_parts", "is_sharded", "local_rows", "refuse_sharded", "row_sources",
-    "rows_by_rank", "rows_of", "rows_on", "take_held",
+    "held_parts", "is_sharded", "local_rows", "row_sources",
+    "rows_by_rank", "rows_of", "rows_on", "shard_count", "take_held",
 ]
 
 
@@ -36,19 +36,14 @@ def is_sharded(t: torch.Tensor | None) -> bool:
     return isinstance(t, DTensor)
 
 
-def refuse_sharded(model: torch.nn.Module, product: str) -> None:
-    """Raises ``ValueError`` if FSDP2 shards ``model`` (for products that do not support it).
+def shard_count(t: DTensor) -> int:
+    """Into how many distinct shards ``t`` is split (its mesh dimensions that shard it).
 
-    Args:
-        model: The model.
-        product: The product's name, for the message.
+    An HSDP mesh's replicate dimension holds copies: ``sum over ranks of a local quantity``
+    divided by ``world / shard_count`` counts each shard once.
     """
-    if any(is_sharded(p) for p in model.parameters()):
-        raise ValueError(
-            f"{product} does not support models sharded by FSDP2 (fully_shard) yet: its "
-            "update is applied to the parameters directly; use kaisa.KFACPreconditioner "
-            "with a torch.optim optimizer"
-        )
+    return math.prod(t.device_mesh.size(i) for i, placement in enumerate(t.placements)
+                     if isinstance(placement, Shard))
 
 
 def local_rows(t: DTensor) -> range:

@@ -195,12 +195,13 @@ def _ranks(rank: int, world: int, cfgs: list[dict[str, Any]],
 
 
 def _refusals(rank: int, world: int) -> list[str]:
-    """The errors of the unsupported cases: kaisa.KFAC on a sharded model, a dim-1 shard."""
+    """The errors of the unsupported cases: kaisa.KFAC's double-backward ``J v`` on a
+    sharded model, a dim-1 shard."""
     model = Net().double()
     fully_shard(model)
     errors = []
     with pytest.raises(ValueError, match="FSDP2") as err:
-        kaisa.KFAC(model, loss="cross_entropy")
+        kaisa.KFAC(model, loss="cross_entropy", jvp="double_backward")
     errors.append(str(err.value))
     mesh = init_device_mesh("cpu", (world,))
     with pytest.raises(ValueError, match="dim 0") as err:
@@ -271,16 +272,17 @@ CONFIGS_2 = [{"strategy": "comm_opt", "method": "eigen"},
 
 def test_fsdp2_two_ranks_equal_one_process() -> None:
     """Every strategy on 2 ranks, both methods, EKFAC, the byte GPT with every block kind
-    (attention's row blocks, the tied embedding, LayerNorms); the unsupported cases' errors."""
+    (attention's row blocks, the tied embedding, LayerNorms); the unsupported cases' errors
+    (``kaisa.KFAC`` itself: ``tests/test_fsdp_kfac.py``)."""
     results = _check(CONFIGS_2, 2)
     fractions = [r["fraction"] for r in results[0][:-1]]
     assert fractions == [1.0, 1.0, 0.5, 0.5, 0.5, 0.5]
     # MEM-OPT: each block's decompositions on exactly one rank.
     held = [set(r[2]["held"]) for r in results]
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {"conv", "fc1", "fc2"}
-    # Unsupported: kaisa.KFAC refuses a sharded model, a dim-1 shard is refused.
+    # Unsupported: kaisa.KFAC's double-backward J v on a sharded model, a dim-1 shard.
     for errors in (r[-1] for r in results):
-        assert "use kaisa.KFACPreconditioner" in errors[0] and "dim 0" in errors[1]
+        assert "needs jvp='forward'" in errors[0] and "dim 0" in errors[1]
 
 
 CONFIGS_4 = [{"strategy": "hybrid_opt", "method": "eigen"},
