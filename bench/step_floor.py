@@ -18,16 +18,18 @@ already measured-and-rejected cost keeps stayed and every removable overhead wen
   says why, citing the README's measurements); communication (one process) and the rest
   (``overhead``, the quadratic model outside its replays) go to zero.
 
-GPU: **a projection, not a measurement** (no GPU has run this code). Each phase on an
-H100 SXM with the constants of ``choose_covariance`` (csrc/cuda/covariance.cu,
+GPU: **a projection, not a measurement** (no GPU has run this code): each measured phase
+of the row on an H100 SXM with ``choose_covariance``'s constants (csrc/cuda/covariance.cu,
 docs/cuda-kernels.md: datasheet peaks, assumed efficiencies): GEMM flops at TF32 495
-TFLOP/s x 0.6, memory traffic at 3.35 TB/s x 0.8, 4 us per kernel launch; the factors
-through that cost model (fused kernel or GEMM, whichever it picks); forward and backward
-as their aten ops (counted in one pass, views excluded; each one launch, writing its
-output once and reading it ~twice); decompositions ``9 n^3`` flops at 5% of the 67
-TFLOP/s FP32 units per matrix plus one launch per column per size group (eigh), or ``2 n^3``
-at the GEMM rate plus ``n / 64 + 3`` launches (inverses): a guess, not part of the
-documented model.
+TFLOP/s x 0.6, memory traffic at 3.35 TB/s x 0.8, 4 us a kernel launch. Forward and
+backward: their aten ops (counted in one pass, views excluded; a launch each, outputs
+written once and read twice); factors: that cost model per side, 3 more launches a block;
+preconditioning: its GEMMs, 7 (eigen) / 4 (inverse) launches a block; the update: its
+parameter traffic, 10 launches; the Monte-Carlo backward: a backward without the weight
+gradients; the quadratic model: two replays of twice a forward; decompositions (a guess,
+not part of the documented model): ``9 n^3`` flops at 5% of the FP32 units per matrix and
+a launch per column per size group (eigh), ``2 n^3`` at the GEMM rate and ``n / 64 + 3``
+launches (inverses).
 
     python bench/step_floor.py                       # the committed runs, writes the JSON
     python bench/step_floor.py A.json B.json --out /tmp/f.json
@@ -330,11 +332,12 @@ def rows_of(paths: list[Path]) -> list[dict[str, Any]]:
                                            bool(results.get("smoke")))
     traced: dict[tuple[str, bool], Shapes] = {}
     out = []
-    for (task, name), (path, entry, base, smoke) in found.items():
-        s = traced.setdefault((task, smoke), shapes(task, smoke))
-        out.append({**floor_row(task, name, entry, base, s), "source": str(path.name)})
-    order = list(ROWS)
-    return sorted(out, key=lambda r: order.index((r["task"], r["configuration"])))
+    for key in (k for k in ROWS if k in found):
+        path, entry, base, smoke = found[key]
+        if (key[0], smoke) not in traced:
+            traced[(key[0], smoke)] = shapes(key[0], smoke)
+        out.append({**floor_row(*key, entry, base, traced[(key[0], smoke)]), "source": path.name})
+    return out
 
 
 def _largest(ms: dict[str, float], n: int, digits: int) -> str:
@@ -384,7 +387,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="CI's form: the committed runs, summary table only")
     args = parser.parse_args(argv)
     paths = args.paths or list(DEFAULTS)
-    torch.manual_seed(0)
     rows = rows_of(paths)
     print(summary(rows))
     if not args.smoke:
@@ -394,11 +396,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {"benchmark": "bench/step_floor.py",
                "sources": [str(p.resolve().relative_to(root)) if p.resolve().is_relative_to(root)
                            else str(p) for p in paths],
-               "gpu_assumptions": {"tf32_flops": TF32, "simt_flops": SIMT, "hbm_bytes": HBM,
-                                   "gemm_efficiency": GEMM_EFF, "fused_efficiency": FUSED_EFF,
-                                   "bandwidth_efficiency": BW_EFF, "launch_s": LAUNCH,
-                                   "eigh_efficiency_guess": EIGH_EFF,
-                                   "note": "projection, not measured"},
+               "gpu_assumptions": dict(
+                   note="projection, not measured", tf32_flops=TF32, simt_flops=SIMT,
+                   hbm_bytes=HBM, gemm_efficiency=GEMM_EFF, fused_efficiency=FUSED_EFF,
+                   bandwidth_efficiency=BW_EFF, launch_s=LAUNCH, eigh_efficiency_guess=EIGH_EFF),
                "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
