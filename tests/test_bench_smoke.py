@@ -73,3 +73,39 @@ def test_fsdp_memory_smoke(tmp_path: Path) -> None:
         "factor_reduce", "factors", "gradient_gather"}
     assert set(rows[("ddp", "comm_opt")]["kfac_bytes_per_step_max_rank"]) == {"factors"}
     assert "| 2 | fsdp2 | mem_opt |" in module.table(results)
+
+
+def test_step_floor_smoke(tmp_path: Path) -> None:
+    """bench/step_floor.py --smoke on the committed step-cost runs: a row per target."""
+    module = load_bench("step_floor")
+    out = tmp_path / "step_floor.json"
+    results = module.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    rows = {(r["task"], r["configuration"]): r for r in results["rows"]}
+    assert set(rows) == set(module.ROWS)  # every configuration with a target
+    for key, r in rows.items():
+        assert r["target"] == module.ROWS[key]
+        assert 1.0 < r["floor_ratio"] <= r["measured_ratio"], key
+        assert r["gpu_projection_ratio"] > 1.0 and r["gpu_projection_baseline_ms"] > 0, key
+        floor, measured = r["floor_ms_by_category"], r["ms_by_category"]
+        assert set(floor) == set(measured) == set(r["floor_rule"]), key
+        for cat, (rule, _) in module.RULES.items():
+            if rule == "keep":
+                assert floor[cat] == measured[cat], (key, cat)
+            elif rule == "zero":
+                assert floor[cat] == 0.0, (key, cat)
+            elif rule in ("flops", "jvp"):
+                assert floor[cat] <= measured[cat], (key, cat)
+    # The flop counts from the shapes: ResNet-32 is ~69M multiply-adds per 32x32 image,
+    # its 31 convolutions and the classifier are the blocks; the GPT's 4 x 4 Linear/MHA
+    # blocks and the tied embedding; the autoencoder's first layer A = 785, G = 400.
+    resnet = module.shapes("resnet32", False)
+    assert 68e6 < resnet.fwd_flops / 2 / 128 < 70e6 and len(resnet.blocks) == 32
+    first = module.shapes("autoencoder", False).blocks[0]
+    assert (first.rows, first.a, first.g) == (256, 785, 400)
+    assert module.factor_flops(first, True) == 2 * 256 * (785 ** 2 + 400 ** 2)
+    assert sum(b.tied for b in module.shapes("gpt", False).blocks) == 1
+    shifted = [b for b in resnet.blocks if b.a_cpu_flops < 2 * b.rows * b.a ** 2]
+    assert len(shifted) == 28  # the stride-1 3x3 layers with >= 8 channels
+    # choose_covariance's documented example: d = 576, 2048 rows, TF32 GEMM ~20 us.
+    assert abs(module.covariance_s(2048, 576, True) - 20e-6) < 1e-6
