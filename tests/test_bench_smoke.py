@@ -109,3 +109,19 @@ def test_step_floor_smoke(tmp_path: Path) -> None:
     assert len(shifted) == 28  # the stride-1 3x3 layers with >= 8 channels
     # choose_covariance's documented example: d = 576, 2048 rows, TF32 GEMM ~20 us.
     assert abs(module.covariance_s(2048, 576, True) - 20e-6) < 1e-6
+
+
+def test_jvp_linearize_smoke(tmp_path: Path) -> None:
+    """bench/jvp_linearize.py --smoke: every way runs, ``func_linearize`` equals today's J v."""
+    module = load_bench("jvp_linearize")
+    out = tmp_path / "jvp_linearize.json"
+    results = module.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert set(results["probes"]) == {"nested_dual_level", "dual_of_a_dual",
+                                      "complex_tangent_through_linear"}
+    assert set(results["tasks"]) == {"autoencoder", "gpt"}
+    for entry in results["tasks"].values():
+        assert all(ms > 0 for ms in entry["median_ms"].values())
+        assert set(entry["projected_kfac_step_saving"]) == {"func_linearize",
+                                                            "cached_linear_map", "vmap_jvp"}
+        assert entry["float64_func_linearize_vs_today_relative"] < 1e-12
