@@ -182,6 +182,7 @@ class Run:
                 param_groups=decay_groups(params, lr, recipe.decayed),
                 factor_update_steps=every, factor_decay=0.95**every, basis_update_steps=10,
                 basis_refresh="qr" if "qr" in options else "eigh",
+                kfac_approx="reduce" if "reduce" in options else "expand",
             )
             self.optimizers = [self.ekfac]
         elif name == "kfac" or name == "kfac@damping=0.1":
