@@ -113,18 +113,16 @@ def _layer_list(core: KFACCurvature) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(name, str(b.kind), tuple(int(d) for d in b.dims)) for name, b in core.blocks.items()]
 
 
-def _counters(owner: Owner) -> dict[str, Any]:
-    """Steps, refreshes and the schedules' numbers (no tensors)."""
+def _counters(owner: Owner) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """The counters (no tensors) and KFAC's Monte-Carlo sampler's state.
+
+    Counters: steps, refreshes, the schedules' numbers, KFAC's damping. The sampler's
+    state is ``None`` for the other owners.
+    """
     if isinstance(owner, EKFAC):
-        counters: dict[str, Any] = owner.state_dict(include_factors=False)["kaisa"]
-        return counters
-    if isinstance(owner, KFAC):
-        return _kfac_counters(owner)[0]
-    return owner.state_dict(include_factors=False)
-
-
-def _kfac_counters(owner: KFAC) -> tuple[dict[str, Any], torch.Tensor]:
-    """KFAC's steps, damping and schedules (no tensors), and its sampler's state."""
+        return owner.state_dict(include_factors=False)["kaisa"], None
+    if not isinstance(owner, KFAC):
+        return owner.state_dict(include_factors=False), None
     extra = owner.state_dict()["kaisa"]  # this rank's blocks, not copied: cheap
     counters = {k: v for k, v in extra.items() if k not in ("generator", "first_order")}
     counters["preconditioner"] = {k: v for k, v in extra["preconditioner"].items()
@@ -171,11 +169,12 @@ def kfac_state_dict(owner: Owner) -> dict[str, Any]:
             if isinstance(t, torch.Tensor)
             and owners[_FACTOR_SIDE.get(key, "decomposition")] == rank
         }
+    counters, generator = _counters(owner)
     meta = {"format": FORMAT, "product": type(owner).__name__, "layers": _layer_list(core),
-            "state": _counters(owner)}
+            "state": counters}
     out: dict[str, Any] = {"meta": json.dumps(meta), "layers": layers}
-    if isinstance(owner, KFAC) and rank == 0:  # the same on every rank: one copy
-        out["generator"] = _kfac_counters(owner)[1]
+    if generator is not None and rank == 0:  # the same on every rank: one copy
+        out["generator"] = generator
     return out
 
 

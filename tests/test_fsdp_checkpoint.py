@@ -22,8 +22,9 @@ optimizers and preconditioners, load the checkpoint and train the same ``N`` ste
   and its Monte-Carlo draw shares out: ``tests/test_fsdp_kfac.py``).
 
 Also: each rank writes only the K-FAC entries it owns (disjoint over ranks, together
-every block's); bad checkpoints raise ``ValueError`` and change nothing; a rank that dies
-or hangs under FSDP2 fails the other within ``collective_timeout``.
+every block's); bad checkpoints raise ``ValueError`` and change nothing, on every rank also
+when only one rank reads the bad part (a NaN in one rank's rows of KFAC's velocity); a
+rank that dies or hangs under FSDP2 fails the other within ``collective_timeout``.
 """
 
 from __future__ import annotations
@@ -155,6 +156,13 @@ def _uninterrupted(rank: int, world: int, root: str) -> list[dict[str, Any]]:
         held = {name: sorted(block.decomposition)
                 for name, block in owner.curvature.blocks.items()}
         checkpoint.save(_path(root, i), model, opt, pre)
+        if isinstance(opt, kaisa.KFAC):  # and one with a NaN in the last rank's velocity rows
+            local = opt.state[model.fc1.weight]["velocity"].to_local()
+            kept = local.clone()
+            if rank == world - 1:
+                local[0, 0] = float("nan")
+            checkpoint.save(os.path.join(root, "nan"), model, opt, pre)
+            local.copy_(kept)
         _train(cfg, model, opt, pre, range(K, K + N), rank, world)
         out.append({"params": _params(model), "written": written, "held": held})
     # A DCP checkpoint of the model alone (no K-FAC part), for the bad-input test.
@@ -189,6 +197,7 @@ def _refusals(root: str) -> list[str]:
         ("cfg4", CONFIGS[0], False),  # a kaisa.KFAC checkpoint into a preconditioner
         ("cfg0", CONFIGS[4], False),  # a preconditioner's into kaisa.KFAC
         ("cfg4", {**CONFIGS[4], "lr": 0.1}, False),  # adaptive KFAC's into a fixed-lr one
+        ("nan", CONFIGS[4], False),  # a velocity shard that is not finite, on one rank
     ]
     for name, cfg, wide in cases:
         model, opt, pre = _build(cfg, seed=1, wide=wide)
@@ -254,7 +263,7 @@ def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) 
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=str(cfg))
     for rank_results in resumed:
         (sizes, ekfac_into_pre, pre_into_ekfac, plain, method, kfac_into_pre, pre_into_kfac,
-         fixed_lr) = rank_results["errors"]
+         fixed_lr, nan) = rank_results["errors"]
         assert "unexpected entries" in method and "another compute_method" in method, method
         assert "do not match this model's" in sizes and "'fc1'" in sizes, sizes
         assert "of a kaisa.EKFAC, not of a kaisa.KFACPreconditioner" in ekfac_into_pre
@@ -263,6 +272,7 @@ def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) 
         assert "of a kaisa.KFAC, not of a kaisa.KFACPreconditioner" in kfac_into_pre
         assert "of a kaisa.KFACPreconditioner, not of a kaisa.KFAC" in pre_into_kfac
         assert "first_order does not fit" in fixed_lr, fixed_lr
+        assert "KFAC optimizer state (velocity) is not finite" in nan, nan
 
 
 @pytest.mark.slow
