@@ -6,10 +6,15 @@ A checkpoint holds three parts, keyed by names that do not depend on the world s
   (under FSDP2 each rank writes its shards of the ``DTensor`` parameters);
 * ``'optim'``: the optimizer's state keyed by parameter name, as
   :func:`~torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` gives it
-  (for :class:`kaisa.EKFAC`, its AdamW state, converted the same way);
+  (for :class:`kaisa.EKFAC`, its AdamW state, and for :class:`kaisa.KFAC`, its
+  per-parameter ``velocity``, converted the same way by :mod:`kaisa.checkpoint_optim`;
+  KFAC's first-order optimizer's state, for the parameters no block covers, under
+  ``'optim.first_order'`` in the same layout);
 * ``'kfac'``: the K-FAC state. ``'kfac.meta'`` (every rank the same, written once) holds
   the product, its blocks (name, kind, dims), the step counters and the schedules'
-  numbers; ``'kfac.layers.<block>.<entry>'`` the tensors. Each rank contributes only
+  numbers (and :class:`kaisa.KFAC`'s damping); ``'kfac.generator'`` KFAC's Monte-Carlo
+  sampler's state (the same on every rank, written by rank 0);
+  ``'kfac.layers.<block>.<entry>'`` the tensors. Each rank contributes only
   what the placement makes it the owner of: a block's ``A`` factor (and its skip count)
   by the rank that decomposes it, ``G`` likewise, the decompositions (eigenbases,
   eigenvalues or inverses, and :class:`~kaisa.EKFAC`'s moments) by the block's first
@@ -34,8 +39,10 @@ Usage::
     ...
     kaisa.checkpoint.load("ckpt/step100", model, optimizer, preconditioner)
 
-Every rank calls both (collectives). With :class:`kaisa.EKFAC` pass it as the optimizer
-and no preconditioner. ``docs/distributed.md``, "Checkpoints (DCP)".
+Every rank calls both (collectives). With :class:`kaisa.EKFAC` or :class:`kaisa.KFAC`
+pass it as the optimizer and no preconditioner. A :class:`kaisa.KFAC` checkpoint is checked
+whole (:meth:`kaisa.KFAC.load_state_dict`) before the model is read, so a refused one
+changes nothing either. ``docs/distributed.md``, "Checkpoints (DCP)".
 """
 
 from __future__ import annotations
@@ -58,10 +65,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
-from torch.distributed.tensor import DTensor
 
+from kaisa import checkpoint_optim
 from kaisa.curvature import KFACCurvature
 from kaisa.ekfac import EKFAC
+from kaisa.finite import all_finite
+from kaisa.optimizer import KFAC
 from kaisa.preconditioner import KFACPreconditioner
 
 __all__ = ["FORMAT", "get_state_dict", "kfac_state_dict", "load", "save"]
@@ -69,8 +78,8 @@ __all__ = ["FORMAT", "get_state_dict", "kfac_state_dict", "load", "save"]
 #: Version of the ``'kfac'`` part's layout.
 FORMAT = 1
 
-#: What drives the curvature: a preconditioner, or EKFAC (an optimizer).
-Owner: TypeAlias = KFACPreconditioner | EKFAC
+#: What drives the curvature: a preconditioner, or EKFAC or KFAC (optimizers).
+Owner: TypeAlias = KFACPreconditioner | EKFAC | KFAC
 
 _PathLike: TypeAlias = str | os.PathLike[str]
 
@@ -81,14 +90,16 @@ _FACTOR_SIDE = {"A": "a", "skipped_a": "a", "G": "g", "skipped_g": "g"}
 # ---------------------------------------------------------------------- the K-FAC part
 def _owner(optimizer: torch.optim.Optimizer, preconditioner: KFACPreconditioner | None) -> Owner:
     """The object whose K-FAC state is checkpointed."""
-    if isinstance(optimizer, EKFAC):
+    if isinstance(optimizer, EKFAC | KFAC):
         if preconditioner is not None:
-            raise ValueError("kaisa.EKFAC keeps its own curvature: pass no preconditioner")
+            raise ValueError(f"kaisa.{type(optimizer).__name__} keeps its own curvature: "
+                             "pass no preconditioner")
         return optimizer
     if not isinstance(preconditioner, KFACPreconditioner):
         raise ValueError(
-            "kaisa.checkpoint needs a kaisa.KFACPreconditioner (with a torch optimizer) or "
-            f"a kaisa.EKFAC optimizer, got preconditioner={type(preconditioner).__name__} "
+            "kaisa.checkpoint needs a kaisa.KFACPreconditioner (with a torch optimizer), "
+            "a kaisa.EKFAC or a kaisa.KFAC optimizer, got "
+            f"preconditioner={type(preconditioner).__name__} "
             f"and optimizer={type(optimizer).__name__}"
         )
     return preconditioner
@@ -102,12 +113,21 @@ def _layer_list(core: KFACCurvature) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(name, str(b.kind), tuple(int(d) for d in b.dims)) for name, b in core.blocks.items()]
 
 
-def _counters(owner: Owner) -> dict[str, Any]:
-    """Steps, refreshes and the schedules' numbers (no tensors)."""
+def _counters(owner: Owner) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """The counters (no tensors) and KFAC's Monte-Carlo sampler's state.
+
+    Counters: steps, refreshes, the schedules' numbers, KFAC's damping. The sampler's
+    state is ``None`` for the other owners.
+    """
     if isinstance(owner, EKFAC):
-        counters: dict[str, Any] = owner.state_dict(include_factors=False)["kaisa"]
-        return counters
-    return owner.state_dict(include_factors=False)
+        return owner.state_dict(include_factors=False)["kaisa"], None
+    if not isinstance(owner, KFAC):
+        return owner.state_dict(include_factors=False), None
+    extra = owner.state_dict()["kaisa"]  # this rank's blocks, not copied: cheap
+    counters = {k: v for k, v in extra.items() if k not in ("generator", "first_order")}
+    counters["preconditioner"] = {k: v for k, v in extra["preconditioner"].items()
+                                  if k != "layers"}
+    return counters, extra["generator"]
 
 
 def _owners(core: KFACCurvature, index: int, name: str) -> dict[str, int]:
@@ -128,14 +148,16 @@ def kfac_state_dict(owner: Owner) -> dict[str, Any]:
     """The K-FAC part of a DCP checkpoint on this rank: what this rank owns (no collective).
 
     Args:
-        owner: A :class:`~kaisa.KFACPreconditioner` or a :class:`~kaisa.EKFAC`.
+        owner: A :class:`~kaisa.KFACPreconditioner`, a :class:`~kaisa.EKFAC` or a
+            :class:`~kaisa.KFAC`.
 
     Returns:
         ``{'meta': JSON, 'layers': {block: {entry: tensor}}}`` (``'meta'``: the product,
         its blocks, counters and schedules, a string so that DCP keeps it one entry);
         ``'layers'`` holds only the
         entries this rank owns (see the module docstring), the tensors themselves (not
-        copies: save them before the next step).
+        copies: save them before the next step). For :class:`~kaisa.KFAC` rank 0 adds
+        ``'generator'``, the Monte-Carlo sampler's state.
     """
     core = _core(owner)
     rank = core.engine.rank
@@ -147,9 +169,13 @@ def kfac_state_dict(owner: Owner) -> dict[str, Any]:
             if isinstance(t, torch.Tensor)
             and owners[_FACTOR_SIDE.get(key, "decomposition")] == rank
         }
+    counters, generator = _counters(owner)
     meta = {"format": FORMAT, "product": type(owner).__name__, "layers": _layer_list(core),
-            "state": _counters(owner)}
-    return {"meta": json.dumps(meta), "layers": layers}
+            "state": counters}
+    out: dict[str, Any] = {"meta": json.dumps(meta), "layers": layers}
+    if generator is not None and rank == 0:  # the same on every rank: one copy
+        out["generator"] = generator
+    return out
 
 
 def _check_meta(owner: Owner, meta: object) -> dict[str, Any]:
@@ -183,13 +209,6 @@ def _check_meta(owner: Owner, meta: object) -> dict[str, Any]:
     return dict(state)
 
 
-def _entries(saved: Mapping[str, STORAGE_TYPES], prefix: str) -> dict[str, TensorStorageMetadata]:
-    """The tensors saved under ``prefix`` one level down (``prefix`` ends with a dot)."""
-    return {fqn[len(prefix):]: md for fqn, md in saved.items()
-            if fqn.startswith(prefix) and "." not in fqn[len(prefix):]
-            and isinstance(md, TensorStorageMetadata)}
-
-
 def _layers_template(core: KFACCurvature, saved: Mapping[str, STORAGE_TYPES]
                      ) -> dict[str, dict[str, torch.Tensor]]:
     """Buffers for what this rank reads: the factors it keeps, its gradient-worker blocks' rest."""
@@ -198,59 +217,62 @@ def _layers_template(core: KFACCurvature, saved: Mapping[str, STORAGE_TYPES]
         worker, keeps = core.is_grad_worker(name), core.engine.holds_factors(name)
         out[name] = {
             key: torch.empty(md.size, dtype=md.properties.dtype, device=block.weight.device)
-            for key, md in _entries(saved, f"kfac.layers.{name}.").items()
+            for key, md in checkpoint_optim.entries(saved, f"kfac.layers.{name}.").items()
             if (keeps if key in _FACTOR_SIDE else worker)
         }
     return out
 
 
-# ---------------------------------------------------------------------- EKFAC's AdamW part
-def _fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The model's name of every optimizer parameter, in the optimizer's order."""
-    names = {id(p): n for n, p in model.named_parameters()}  # a tied one: its first name
-    try:
-        return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    except KeyError:
-        raise ValueError("the optimizer holds a parameter that is not the model's") from None
-
-
-def _ekfac_optim(model: nn.Module, optimizer: EKFAC) -> dict[str, Any]:
-    """EKFAC's torch state keyed by parameter name (``get_optimizer_state_dict``'s layout)."""
-    state = torch.optim.Optimizer.state_dict(optimizer)
-    fqns = _fqns(model, optimizer)
-    return {"state": {fqns[i]: v for i, v in state["state"].items()},
-            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]}
-                             for g in state["param_groups"]]}
-
-
-def _ekfac_optim_template(model: nn.Module, optimizer: EKFAC,
-                          saved: Mapping[str, STORAGE_TYPES]) -> dict[str, Any]:
-    """Buffers for EKFAC's saved AdamW state: like each parameter (sharded alike)."""
-    fqns = _fqns(model, optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for fqn, p in zip(fqns, params, strict=True):
-        entries = _entries(saved, f"optim.state.{fqn}.")
-        state[fqn] = {
-            key: (torch.zeros_like(p, dtype=md.properties.dtype)
-                  if isinstance(p, DTensor) and md.size == p.shape
-                  else torch.zeros(md.size, dtype=md.properties.dtype))
-            for key, md in entries.items()
-        }
-    template = _ekfac_optim(model, optimizer)
-    return {"state": {k: v for k, v in state.items() if v},
-            "param_groups": template["param_groups"]}
+# ---------------------------------------------------------------------- the optimizer part
+def _optim(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The ``'optim'`` part: the optimizer's state keyed by parameter name."""
+    if not isinstance(optimizer, EKFAC | KFAC):
+        return get_optimizer_state_dict(model, optimizer)
+    optim = checkpoint_optim.named(model, optimizer)
+    if isinstance(optimizer, KFAC) and optimizer.first_order is not None:
+        optim["first_order"] = checkpoint_optim.named(model, optimizer.first_order)
+    return optim
 
 
 def _ekfac_load(model: nn.Module, optimizer: EKFAC, optim: Mapping[str, Any],
                 kaisa_state: dict[str, Any]) -> None:
-    index = {fqn: i for i, fqn in enumerate(_fqns(model, optimizer))}
-    optimizer.load_state_dict({
-        "state": {index[fqn]: dict(v) for fqn, v in optim["state"].items()},
-        "param_groups": [{**g, "params": [index[f] for f in g["params"]]}
-                         for g in optim["param_groups"]],
-        "kaisa": kaisa_state,
-    })
+    optimizer.load_state_dict({**checkpoint_optim.indexed(model, optimizer, optim),
+                               "kaisa": kaisa_state})
+
+
+def _kfac_load(checkpoint_id: _PathLike | None, storage_reader: StorageReader, model: nn.Module,
+               optimizer: KFAC, saved: Mapping[str, STORAGE_TYPES],
+               kfac: Mapping[str, Any], counters: dict[str, Any]) -> None:
+    """Loads KFAC's optimizer part, checked whole, and then the model.
+
+    In this order a refused checkpoint changes nothing: reading the model writes into its
+    parameters.
+    """
+    optim = checkpoint_optim.template(model, optimizer, saved, "optim.")
+    first_order = optimizer.first_order
+    saved_first_order = any(k.startswith("optim.first_order.") for k in saved)
+    if first_order is not None and saved_first_order:
+        optim["first_order"] = checkpoint_optim.template(model, first_order, saved,
+                                                         "optim.first_order.")
+    dcp_load({"optim": optim}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
+    extra = {**counters, "preconditioner": {**counters.get("preconditioner", {}),
+                                            "layers": kfac["layers"]},
+             "generator": kfac.get("generator")}
+    if "first_order" in optim:
+        assert first_order is not None
+        extra["first_order"] = checkpoint_optim.indexed(model, first_order, optim["first_order"])
+    elif saved_first_order:  # refused below: this KFAC has no first-order optimizer
+        extra["first_order"] = {"state": {}, "param_groups": []}
+    # The one check that a rank makes on its shards alone, agreed before anything loads.
+    velocity = [t for v in optim["state"].values() for t in v.values()
+                if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if optimizer.curvature.any_rank(not all(bool(all_finite(t)) for t in velocity)):
+        raise ValueError("the checkpoint's KFAC optimizer state (velocity) is not finite")
+    optimizer.load_state_dict({**checkpoint_optim.indexed(model, optimizer, optim),
+                               "kaisa": extra})
+    weights = get_model_state_dict(model)
+    dcp_load({"model": weights}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
+    set_model_state_dict(model, weights)
 
 
 # ---------------------------------------------------------------------- public API
@@ -262,9 +284,10 @@ def get_state_dict(
 
     Args:
         model: The model (sharded by FSDP2, wrapped in DDP or plain).
-        optimizer: The optimizer: a torch optimizer stepped after ``preconditioner``, or a
-            :class:`~kaisa.EKFAC`.
-        preconditioner: The :class:`~kaisa.KFACPreconditioner` (``None`` with EKFAC).
+        optimizer: The optimizer: a torch optimizer stepped after ``preconditioner``, a
+            :class:`~kaisa.EKFAC` or a :class:`~kaisa.KFAC`.
+        preconditioner: The :class:`~kaisa.KFACPreconditioner` (``None`` with EKFAC or
+            KFAC).
 
     Returns:
         ``{'model': ..., 'optim': ..., 'kfac': ...}`` (the module docstring says what each
@@ -272,9 +295,8 @@ def get_state_dict(
         under FSDP2).
     """
     owner = _owner(optimizer, preconditioner)
-    optim = (_ekfac_optim(model, optimizer) if isinstance(optimizer, EKFAC)
-             else get_optimizer_state_dict(model, optimizer))
-    return {"model": get_model_state_dict(model), "optim": optim, "kfac": kfac_state_dict(owner)}
+    return {"model": get_model_state_dict(model), "optim": _optim(model, optimizer),
+            "kfac": kfac_state_dict(owner)}
 
 
 def save(
@@ -330,6 +352,9 @@ def load(
         raise ValueError(f"{checkpoint_id} has no kfac.meta entry: not a kaisa.checkpoint")
     # The K-FAC part first, into new buffers: checked before anything else is touched.
     kfac: dict[str, Any] = {"meta": None, "layers": _layers_template(core, saved)}
+    generator = saved.get("kfac.generator")
+    if isinstance(owner, KFAC) and isinstance(generator, TensorStorageMetadata):
+        kfac["generator"] = torch.empty(generator.size, dtype=generator.properties.dtype)
     dcp_load({"kfac": kfac}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     layers = kfac["layers"]
     try:
@@ -341,8 +366,12 @@ def load(
     if core.any_rank(error is not None):
         raise ValueError(error or "kaisa.checkpoint: another rank refused the checkpoint's "
                          "K-FAC state (see its error); nothing was loaded")
+    if isinstance(optimizer, KFAC):
+        _kfac_load(checkpoint_id, storage_reader, model, optimizer, saved, kfac, counters)
+        return
     rest: dict[str, Any] = {"model": get_model_state_dict(model),
-            "optim": (_ekfac_optim_template(model, optimizer, saved) if isinstance(optimizer, EKFAC)
+            "optim": (checkpoint_optim.template(model, optimizer, saved, "optim.")
+                      if isinstance(optimizer, EKFAC)
                       else get_optimizer_state_dict(model, optimizer))}
     dcp_load(rest, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     set_model_state_dict(model, rest["model"])

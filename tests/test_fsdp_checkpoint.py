@@ -6,7 +6,10 @@ uninterrupted run). Fresh processes build fresh models (other initial weights),
 optimizers and preconditioners, load the checkpoint and train the same ``N`` steps:
 
 * at the same world size the parameters are bit-equal (``torch.equal``) to the
-  uninterrupted run's, for KFACPreconditioner + SGD and for EKFAC, MEM-OPT and COMM-OPT.
+  uninterrupted run's, for KFACPreconditioner + SGD and for EKFAC, MEM-OPT and COMM-OPT,
+  and for ``kaisa.KFAC`` (Monte-Carlo curvature, MEM-OPT; the conv layer left to its
+  first-order AdamW, so the checkpoint holds the velocity, AdamW's moments, the damping
+  the LM rule adapted and the sampler's state, each of which a resume needs bit for bit).
   The decompositions are refreshed every 3 steps and the checkpoint is taken at step 2, so
   the steps after loading use decompositions computed from older factors than the saved
   ones: recomputing them on load would not be bit-exact (EKFAC's moments exist only in
@@ -15,11 +18,13 @@ optimizers and preconditioners, load the checkpoint and train the same ``N`` ste
   uninterrupted one up to the order of float sums (``rtol=1e-8``, as ``tests/test_fsdp.py``
   compares ranks with one process): each rank's loss is scaled so its output gradients
   are those of the 2-rank run (``tests/test_fsdp.py``'s construction) and the gradients
-  are scaled back.
+  are scaled back (KFAC's own loss is a mean over the rank's share, which FSDP2 averages
+  and its Monte-Carlo draw shares out: ``tests/test_fsdp_kfac.py``).
 
 Also: each rank writes only the K-FAC entries it owns (disjoint over ranks, together
-every block's); bad checkpoints raise ``ValueError`` and change nothing; a rank that dies
-or hangs under FSDP2 fails the other within ``collective_timeout``.
+every block's); bad checkpoints raise ``ValueError`` and change nothing, on every rank also
+when only one rank reads the bad part (a NaN in one rank's rows of KFAC's velocity); a
+rank that dies or hangs under FSDP2 fails the other within ``collective_timeout``.
 """
 
 from __future__ import annotations
@@ -55,12 +60,24 @@ CONFIGS = [
     {"product": "kfac", "strategy": "comm_opt", "method": "inverse"},
     {"product": "ekfac", "strategy": "mem_opt"},
     {"product": "ekfac", "strategy": "comm_opt"},
+    {"product": "kfac_opt", "strategy": "mem_opt", "curvature": "mc"},  # kaisa.KFAC
 ]
 
 
 def _per_rank(cfg: dict[str, Any]) -> int:
     """Samples per rank of the 2-rank run (EKFAC's larger batch: ``tests/test_fsdp.py``)."""
     return 40 if cfg["product"] == "ekfac" else 4
+
+
+def _kfac(model: nn.Module, cfg: dict[str, Any]) -> kaisa.KFAC:
+    """``kaisa.KFAC`` on the linear layers (the conv follows AdamW); ``cfg['lr']``: a fixed
+    lr (then every parameter steps with SGD: no first-order optimizer)."""
+    fixed = ({"lr": cfg["lr"], "momentum": 0.5, "adaptive_damping": False,
+              "compute_method": "inverse"} if "lr" in cfg else {})  # adaptive: inverse too
+    return kaisa.KFAC(model, loss="cross_entropy", curvature=cfg.get("curvature", "mc"), seed=7,
+                      damping=0.01, damping_interval=2, inv_update_steps=3,
+                      inv_dtype=torch.float64, grad_worker_fraction=cfg.get("strategy", 1.0),
+                      layer_kinds=("linear",), **fixed)
 
 
 def _build(cfg: dict[str, Any], *, seed: int = 0, wide: bool = False,
@@ -77,6 +94,8 @@ def _build(cfg: dict[str, Any], *, seed: int = 0, wide: bool = False,
     for layer in (model.conv, model.fc1, model.fc2):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if cfg["product"] == "kfac_opt":
+        return model, _kfac(model, cfg), None
     if cfg["product"] == "ekfac":
         opt = kaisa.EKFAC(model, lr=1e-2, eps=1e-6, weight_decay=0.1, basis_update_steps=3,
                           basis_refresh="qr", grad_worker_fraction=cfg["strategy"])
@@ -93,13 +112,17 @@ def _train(cfg: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
     """Steps ``steps`` of the global batch, split over ``world`` ranks.
 
     Each rank's loss is scaled by ``SAVE_WORLD / world`` so its output gradients (hence
-    the factors) are the 2-rank run's; the averaged gradients are scaled back.
+    the factors) are the 2-rank run's; the averaged gradients are scaled back. KFAC steps
+    on a closure of the rank's share (no scaling: the module docstring).
     """
     scale = SAVE_WORLD / world
     local = SAVE_WORLD * _per_rank(cfg) // world
     for step in steps:
         x, y = _data(SAVE_WORLD, step, _per_rank(cfg))
         x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+        if isinstance(opt, kaisa.KFAC):
+            opt.step(lambda x=x, y=y: (model(x), y))
+            continue
         opt.zero_grad(set_to_none=True)
         (F.cross_entropy(model(x), y) * scale).backward()
         if scale != 1.0:
@@ -133,6 +156,13 @@ def _uninterrupted(rank: int, world: int, root: str) -> list[dict[str, Any]]:
         held = {name: sorted(block.decomposition)
                 for name, block in owner.curvature.blocks.items()}
         checkpoint.save(_path(root, i), model, opt, pre)
+        if isinstance(opt, kaisa.KFAC):  # and one with a NaN in the last rank's velocity rows
+            local = opt.state[model.fc1.weight]["velocity"].to_local()
+            kept = local.clone()
+            if rank == world - 1:
+                local[0, 0] = float("nan")
+            checkpoint.save(os.path.join(root, "nan"), model, opt, pre)
+            local.copy_(kept)
         _train(cfg, model, opt, pre, range(K, K + N), rank, world)
         out.append({"params": _params(model), "written": written, "held": held})
     # A DCP checkpoint of the model alone (no K-FAC part), for the bad-input test.
@@ -164,6 +194,10 @@ def _refusals(root: str) -> list[str]:
         ("cfg0", CONFIGS[2], False),  # a preconditioner's into EKFAC
         ("plain", CONFIGS[0], False),  # no K-FAC part
         ("cfg0", {**CONFIGS[0], "method": "inverse"}, False),  # eigen's state into inverse
+        ("cfg4", CONFIGS[0], False),  # a kaisa.KFAC checkpoint into a preconditioner
+        ("cfg0", CONFIGS[4], False),  # a preconditioner's into kaisa.KFAC
+        ("cfg4", {**CONFIGS[4], "lr": 0.1}, False),  # adaptive KFAC's into a fixed-lr one
+        ("nan", CONFIGS[4], False),  # a velocity shard that is not finite, on one rank
     ]
     for name, cfg, wide in cases:
         model, opt, pre = _build(cfg, seed=1, wide=wide)
@@ -175,6 +209,8 @@ def _refusals(root: str) -> list[str]:
         assert all(torch.equal(a, b) for a, b in zip(before, _params(model), strict=True))
         assert owner.steps == 0 and not opt.state
         assert all(b.a is None and not b.decomposition for b in owner.curvature.blocks.values())
+        if isinstance(opt, kaisa.KFAC):
+            assert opt.damping == 0.01 and (opt.first_order is None or not opt.first_order.state)
     return errors
 
 
@@ -199,7 +235,8 @@ def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) 
         # Each entry written once: by its owner, disjoint over ranks, all of them together.
         written = [r[i]["written"] for r in ref]
         saved = _entries(root, i)
-        assert set(saved) == {"conv", "fc1", "fc2"}, cfg
+        kfac_opt = cfg["product"] == "kfac_opt"
+        assert set(saved) == ({"fc1", "fc2"} if kfac_opt else {"conv", "fc1", "fc2"}), cfg
         for name, keys in saved.items():
             assert {"A", "G"} < keys and len(keys) > 4, (cfg, name, keys)
             mine = [set(w[name]) for w in written]
@@ -210,6 +247,10 @@ def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) 
                     r[i]["held"][name]), (cfg, name)
         if cfg["strategy"] == "mem_opt":  # each block's decompositions on one rank only
             assert all(bool(ref[0][i]["held"][n]) != bool(ref[1][i]["held"][n]) for n in saved)
+        if kfac_opt:  # the velocity of the linear layers, AdamW's moments of the conv
+            fqns = FileSystemReader(_path(root, i)).read_metadata().state_dict_metadata
+            assert {"kfac.generator", "optim.state.fc1.weight.velocity",
+                    "optim.first_order.state.conv.weight.exp_avg_sq"} <= set(fqns)
     resumed = run_distributed(_resumed, SAVE_WORLD, root, timeout=150.0)
     for i, cfg in enumerate(CONFIGS):
         for rank in range(SAVE_WORLD):
@@ -221,12 +262,17 @@ def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) 
         for want, got in zip(ref[0][i]["params"], one[i], strict=True):
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=str(cfg))
     for rank_results in resumed:
-        sizes, ekfac_into_pre, pre_into_ekfac, plain, method = rank_results["errors"]
+        (sizes, ekfac_into_pre, pre_into_ekfac, plain, method, kfac_into_pre, pre_into_kfac,
+         fixed_lr, nan) = rank_results["errors"]
         assert "unexpected entries" in method and "another compute_method" in method, method
         assert "do not match this model's" in sizes and "'fc1'" in sizes, sizes
         assert "of a kaisa.EKFAC, not of a kaisa.KFACPreconditioner" in ekfac_into_pre
         assert "of a kaisa.KFACPreconditioner, not of a kaisa.EKFAC" in pre_into_ekfac
         assert "not a kaisa.checkpoint" in plain, plain
+        assert "of a kaisa.KFAC, not of a kaisa.KFACPreconditioner" in kfac_into_pre
+        assert "of a kaisa.KFACPreconditioner, not of a kaisa.KFAC" in pre_into_kfac
+        assert "first_order does not fit" in fixed_lr, fixed_lr
+        assert "KFAC optimizer state (velocity) is not finite" in nan, nan
 
 
 @pytest.mark.slow
@@ -254,7 +300,9 @@ def test_dcp_checkpoint_of_a_plain_model_in_one_process(tmp_path: Any) -> None:
             model = Net().double()
             opt: torch.optim.Optimizer
             pre = None
-            if cfg["product"] == "ekfac":
+            if cfg["product"] == "kfac_opt":
+                opt = _kfac(model, {})
+            elif cfg["product"] == "ekfac":
                 opt = kaisa.EKFAC(model, lr=1e-2, eps=1e-6, basis_update_steps=3)
             else:
                 pre = kaisa.KFACPreconditioner(model, inv_dtype=torch.float64, inv_update_steps=3)

@@ -1,9 +1,11 @@
 """``kaisa-train --fsdp``: the GPT sharded by FSDP2 under torchrun (gloo, 127.0.0.1).
 
-* fast: 2 ranks, ``adamw+kfac``; one epoch, ``--resume`` to two, equals two uninterrupted
-  epochs bit for bit (every tensor of the final DCP checkpoint: weights, AdamW moments,
-  K-FAC factors and decompositions; the metrics); refusals (kaisa.KFAC, no torchrun, a
-  ``--replicate`` that does not divide the world, a DDP checkpoint under ``--fsdp``).
+* fast: 2 ranks, ``adamw+kfac`` and ``kfac`` (``kaisa.KFAC``); one epoch, ``--resume`` to
+  two, equals two uninterrupted epochs bit for bit (every tensor of the final DCP
+  checkpoint: weights, AdamW moments, K-FAC factors and decompositions, KFAC's velocity,
+  its first-order AdamW's moments and its sampler's state; the metrics); refusals
+  (kaisa.KFAC with ``--kfac-jvp double_backward``, no torchrun, a ``--replicate`` that
+  does not divide the world, a DDP checkpoint under ``--fsdp``).
 * slow: EKFAC and plain SGD likewise; a checkpoint of 2 ranks resumed at 1 rank; HSDP
   (``--replicate 2`` at 4 ranks) equals the 1-D mesh of 4 up to float rounding; ``--fsdp``
   with ``--accumulation-steps 2`` equals DDP up to float rounding.
@@ -93,6 +95,15 @@ def test_fsdp_resume_is_bit_exact(tmp_path: Path) -> None:
     _split_equals_whole(tmp_path, "adamw+kfac", "k")
 
 
+@pytest.mark.timeout(200)
+def test_fsdp_resume_is_bit_exact_for_kfac(tmp_path: Path) -> None:
+    """``kaisa.KFAC`` (adaptive lr, momentum and damping; a closure per step) under FSDP2."""
+    _split_equals_whole(tmp_path, "kfac", "q")
+    saved = _checkpoint(tmp_path / "q-split" / "checkpoint.dcp")
+    assert "generator" in saved["kfac"] and saved["optim"]["first_order"]["state"]
+    assert all("velocity" in v for v in saved["optim"]["state"].values())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_fsdp_resume_is_bit_exact_for_ekfac_and_sgd(tmp_path: Path) -> None:
@@ -179,8 +190,9 @@ def test_fsdp_refusals(
         except SystemExit as exit_info:
             return int(str(exit_info.code))
 
-    assert one_rank([*base, "--fsdp", "--compare", "sgd,kfac"]) == 2
-    assert "kaisa.KFAC (--optimizer kfac) does not support FSDP2" in capsys.readouterr().err
+    jvp = ["--fsdp", "--compare", "sgd,kfac", "--kfac-jvp", "double_backward"]
+    assert one_rank([*base, *jvp]) == 2
+    assert "needs --kfac-jvp forward" in capsys.readouterr().err
     assert one_rank([*base, "--fsdp", "--replicate", "2"]) == 2
     assert "must divide the number of processes (1)" in capsys.readouterr().err
     # a checkpoint resumed with --fsdp changed: exit 3, one line, nothing touched

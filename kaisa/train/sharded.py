@@ -78,9 +78,10 @@ def check_options(options: argparse.Namespace, world_size: int, launched: bool) 
 
 def check_config(config: argparse.Namespace) -> str | None:
     """Why configuration ``config`` (one of ``--compare``) cannot run under ``--fsdp``."""
-    if config.fsdp and config.optimizer == "kfac":
-        return ("kaisa.KFAC (--optimizer kfac) does not support FSDP2 yet (it refuses "
-                "sharded models); with --fsdp use sgd+kfac, adamw+kfac or ekfac, or drop --fsdp")
+    if config.fsdp and config.optimizer == "kfac" and config.kfac_jvp == "double_backward":
+        return ("kaisa.KFAC on the model FSDP2 shards needs --kfac-jvp forward (the default): "
+                "'double_backward' differentiates the parameters, which FSDP2 replaces by "
+                "their all-gathered copies during the forward pass")
     return None
 
 
@@ -106,7 +107,7 @@ def shard(model: nn.Module, context: DistContext, replicate: int) -> nn.Module:
 
 
 def _has_curvature(optimizer: Any, preconditioner: Any) -> bool:
-    return preconditioner is not None or isinstance(optimizer, kaisa.EKFAC)
+    return preconditioner is not None or isinstance(optimizer, kaisa.EKFAC | kaisa.KFAC)
 
 
 def save(path: Path, state: dict[str, Any], model: nn.Module, optimizer: Any,
@@ -117,7 +118,8 @@ def save(path: Path, state: dict[str, Any], model: nn.Module, optimizer: Any,
         path: The checkpoint directory.
         state: The trainer's state (``REQUIRED``), written by rank 0 as ``trainer.pt``.
         model: The sharded model.
-        optimizer: Its optimizer (:class:`kaisa.EKFAC` keeps its curvature).
+        optimizer: Its optimizer (:class:`kaisa.EKFAC` and :class:`kaisa.KFAC` keep their
+            curvature).
         preconditioner: The :class:`kaisa.KFACPreconditioner`, or ``None``.
         context: This process's place.
     """
