@@ -12,7 +12,8 @@ Tasks and configurations (each keeps its own model, built from the same seed):
   its stdlib corpus). ``adamw`` and ``adam`` (lr 3e-3) against ``KFACPreconditioner`` +
   AdamW at factors every 10 / inverses every 100 (``bench/gpt.py``'s kinds and damping),
   ``kaisa.KFAC(loss="cross_entropy")`` (defaults) and ``kaisa.EKFAC`` (lr 3e-3, factors
-  every step, eigenbases every 10, as in ``bench/gpt.py``). No clipping, no lr schedule.
+  every step, eigenbases every 10, as in ``bench/gpt.py``; ``ekfac reduce``: with
+  ``kfac_approx="reduce"``). No clipping, no lr schedule.
 
 Protocol: one thread; ``--warmup`` steps, then ``--rounds`` rounds of ``--round-steps``
 steps of every configuration of a task in turn (the order rotating), so a slow patch of
@@ -257,11 +258,13 @@ def gpt_runners(smoke: bool) -> list[Runner]:
     kfac = kaisa.KFAC(model, loss="cross_entropy")
     runners.append(Runner("kfac adaptive", "adam", kfac_step(model, batches, kfac),
                           *schedule(F=1, I=1, D=kfac.config.damping_interval), state_of(kfac)))
-    model = build()
-    ekfac = kaisa.EKFAC(model, lr=3e-3, factor_update_steps=1, basis_update_steps=10)
-    runners.append(Runner("ekfac", "adamw",
-                          first_order_step(model, lm_loss, batches, ekfac, kfac=True),
-                          *schedule(F=1, I=10), state_of(ekfac)))
+    for approx in ("expand", "reduce"):  # reduce: KFAC-reduce statistics (opt-in)
+        model = build()
+        ekfac = kaisa.EKFAC(model, lr=3e-3, factor_update_steps=1, basis_update_steps=10,
+                            kfac_approx=approx)
+        runners.append(Runner("ekfac" + " reduce" * (approx == "reduce"), "adamw",
+                              first_order_step(model, lm_loss, batches, ekfac, kfac=True),
+                              *schedule(F=1, I=10), state_of(ekfac)))
     return runners
 
 
