@@ -93,19 +93,26 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return whole.detach().clone()
 
 
-def _train(cfg: dict[str, Any], world: int, rank: int | None,
-           mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
-    """STEPS of SGD after KFACPreconditioner; ``rank=None`` is the unsharded reference."""
-    gpt = cfg.get("model") == "gpt"
+def build_model(gpt: bool, *, sharded: bool, mesh_shape: tuple[int, ...] | None) -> nn.Module:
+    """The byte GPT or :class:`Net` (seed 0); ``sharded``: ``fully_shard`` on each layer
+    (each Transformer block) and on the root, over a 1-D mesh or a ``mesh_shape`` HSDP mesh."""
     torch.manual_seed(0)
     model: nn.Module = _gpt() if gpt else Net().double()
-    if rank is not None:
+    if sharded:
         mesh = None
         if mesh_shape is not None:
             mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
         for layer in (model.blocks if gpt else (model.conv, model.fc1, model.fc2)):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train(cfg: dict[str, Any], world: int, rank: int | None,
+           mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """STEPS of SGD after KFACPreconditioner; ``rank=None`` is the unsharded reference."""
+    gpt = cfg.get("model") == "gpt"
+    model = build_model(gpt, sharded=rank is not None, mesh_shape=mesh_shape)
     pre: Any = None
     opt: torch.optim.Optimizer
     per_rank = cfg.get("batch", BATCH_PER_RANK)

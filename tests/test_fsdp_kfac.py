@@ -23,15 +23,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import kaisa
 from tests.support.dist import run_distributed
-from tests.test_distributed_transformer import _batch, _gpt
-from tests.test_fsdp import Net, _data, _full
+from tests.test_distributed_transformer import _batch
+from tests.test_fsdp import _data, _full, build_model
 
 pytestmark = pytest.mark.distributed
 
@@ -44,15 +41,7 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
            mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
     """STEPS of adaptive KFAC; ``rank=None`` is the unsharded single-process reference."""
     gpt = cfg.get("model") == "gpt"
-    torch.manual_seed(0)
-    model: nn.Module = _gpt() if gpt else Net().double()
-    if rank is not None:
-        mesh = None
-        if mesh_shape is not None:
-            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-        for layer in (model.blocks if gpt else (model.conv, model.fc1, model.fc2)):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    model = build_model(gpt, sharded=rank is not None, mesh_shape=mesh_shape)
     opt = kaisa.KFAC(
         model, loss="cross_entropy", curvature=cfg["curvature"], seed=7, damping=0.01,
         damping_interval=2, inv_update_steps=2, inv_dtype=torch.float64,
