@@ -11,9 +11,11 @@ Tasks and configurations (each keeps its own model, built from the same seed):
 * ``gpt``: ``bench/gpt.py``'s byte GPT (d 128, 4 layers, 4 heads, context 64, batch 32,
   its stdlib corpus). ``adamw`` and ``adam`` (lr 3e-3) against ``KFACPreconditioner`` +
   AdamW at factors every 10 / inverses every 100 (``bench/gpt.py``'s kinds and damping),
-  ``kaisa.KFAC(loss="cross_entropy")`` (defaults) and ``kaisa.EKFAC`` (lr 3e-3, factors
-  every step, eigenbases every 10, as in ``bench/gpt.py``; ``ekfac reduce``: with
-  ``kfac_approx="reduce"``). No clipping, no lr schedule.
+  ``kaisa.KFAC(loss="cross_entropy")`` (defaults; ``kfac adaptive double_backward``: with
+  ``jvp="double_backward"``, every step under the math attention kernel) and
+  ``kaisa.EKFAC`` (lr 3e-3, factors every step, eigenbases every 10, as in
+  ``bench/gpt.py``; ``ekfac reduce``: with ``kfac_approx="reduce"``). No clipping, no lr
+  schedule. The configurations are built in ``bench/step_cost_tasks.py``.
 
 Protocol: one thread; ``--warmup`` steps, then ``--rounds`` rounds of ``--round-steps``
 steps of every configuration of a task in turn (the order rotating), so a slow patch of
@@ -55,222 +57,26 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import kaisa
-from kaisa import models
-from kaisa.models.gpt import gpt
 from kaisa.profiling import PhaseProfile, phase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_cost_report import CATEGORIES, categorise, plot, table
+from step_cost_tasks import (  # noqa: F401 (re-exported: bench/precondition_batching.py)
+    COMPILED_CONV,
+    TASKS,
+    Runner,
+    autoencoder_runners,
+    gpt_runners,
+    resnet_runners,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class Runner:
-    """One configuration: ``step(i)`` trains step ``i``; ``label(i)`` what its schedule does."""
-
-    name: str
-    baseline: str | None  # the configuration it is compared with (None: it is a baseline)
-    step: Callable[[int], None]
-    label: Callable[[int], str]
-    period: int  # steps after which the labels repeat
-    state_bytes: Callable[[], int] = lambda: 0
-    times: dict[str, list[float]] = field(default_factory=dict)
-    phases: dict[str, list[dict[tuple[str, ...], float]]] = field(default_factory=dict)
-
-
-def schedule(**every: int) -> tuple[Callable[[int], str], int]:
-    """Labels ``step -> letters`` of the events due at a step, and their common period."""
-    return (lambda s: "".join(k for k, n in every.items() if s % n == 0) or "-",
-            math.lcm(*every.values()))
-
-
-def first_order_step(model: nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                     batches: list[Batch], optimizer: torch.optim.Optimizer,
-                     pre: Any = None, *, kfac: bool = False) -> Callable[[int], None]:
-    """A step of ``optimizer`` (after ``pre.step()``, the preconditioner's, if given).
-
-    ``kfac``: the optimizer is kaisa's (its step's own remainder is overhead, not update).
-    """
-    name = "kfac_step" if kfac else "first_order"
-
-    def step(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        optimizer.zero_grad(set_to_none=True)
-        with phase("forward"):
-            value = loss(model(x), y)
-        with phase("backward"):
-            value.backward()  # type: ignore[no-untyped-call]
-        if pre is not None:
-            with phase("kfac_step"):
-                pre.step()
-        with phase(name):
-            optimizer.step()
-
-    return step
-
-
-def kfac_step(model: nn.Module, batches: list[Batch], kfac: kaisa.KFAC) -> Callable[[int], None]:
-    """A ``kaisa.KFAC`` step (its closure runs the forward pass)."""
-
-    def step(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        kfac.step(lambda: (model(x), y))
-
-    return step
-
-
-def state_of(optimizer: Any) -> Callable[[], int]:
-    """Bytes of K-FAC state (factors, decompositions, buffers)."""
-    curvature = optimizer.curvature
-    return lambda: int(curvature.memory_usage()["total"])
-
-
-def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy per token."""
-    return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-
-#: Suffix of a configuration whose conv A factors take the compiled CPU kernel
-#: (``--conv-variants``): the ResNet rows as they were before ``kaisa.ops._shifted``.
-COMPILED_CONV = " [compiled conv kernel]"
-
-
-@contextmanager
-def compiled_conv_kernel() -> Iterator[None]:
-    """Conv A factors through the compiled kernel, not the shifted-correlation path.
-
-    Patches the private dispatch predicate of :func:`kaisa.ops.conv_covariance` for the
-    duration (a benchmark-only switch: the same-run "before" of that change).
-    """
-    saved = kaisa.ops._shifted_path
-    kaisa.ops._shifted_path = lambda *args: False
-    try:
-        yield
-    finally:
-        kaisa.ops._shifted_path = saved
-
-
-def resnet_runners(smoke: bool, conv_variants: bool = False) -> list[Runner]:
-    """SGD and two KFACPreconditioner schedules on ResNet-32.
-
-    ``conv_variants``: each K-FAC schedule also with the compiled conv kernel.
-    """
-    batch, side = (4, 8) if smoke else (128, 32)
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(batch, 3, side, side, generator=gen),
-                torch.randint(0, 10, (batch,), generator=gen)) for _ in range(4)]
-    runners = []
-    configs: list[tuple[str, tuple[int, int] | None, bool]] = [("sgd", None, False)]
-    for name, every in (("kfac_pre 10/100 + sgd", (10, 100)), ("kfac_pre 1/10 + sgd", (1, 10))):
-        configs.append((name, every, False))
-        if conv_variants:
-            configs.append((name + COMPILED_CONV, every, True))
-    for name, every, compiled in configs:
-        torch.manual_seed(0)
-        model = models.resnet32(num_classes=10)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        if every is None:
-            step = first_order_step(model, F.cross_entropy, batches, opt)
-            runners.append(Runner(name, None, step, *schedule()))
-            continue
-        pre = kaisa.KFACPreconditioner(model, factor_update_steps=every[0],
-                                       inv_update_steps=every[1], lr=0.1)
-        step = first_order_step(model, F.cross_entropy, batches, opt, pre)
-        if compiled:
-            step = (lambda inner: lambda i: _in(compiled_conv_kernel, inner, i))(step)
-        runners.append(Runner(name, "sgd", step, *schedule(F=every[0], I=every[1]),
-                              state_of(pre)))
-    return runners
-
-
-def _in(context: Callable[[], AbstractContextManager[None]], step: Callable[[int], None],
-        i: int) -> None:
-    """``step(i)`` inside ``context()``."""
-    with context():
-        step(i)
-
-
-def autoencoder_runners(smoke: bool) -> list[Runner]:
-    """Adam and adaptive KFAC (inverses every step, every 5) on the 784-...-6 autoencoder."""
-    dims, hidden, batch = (32, (16, 8), 16) if smoke else (784, (400, 200, 100, 50, 25, 6), 256)
-    gen = torch.Generator().manual_seed(0)
-    batches = [(x, x) for x in (torch.rand(batch, dims, generator=gen) for _ in range(4))]
-    torch.manual_seed(0)
-    model = models.autoencoder(input_dim=dims, hidden_dims=hidden)
-    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
-    runners = [Runner("adam", None, first_order_step(model, F.mse_loss, batches, adam),
-                      *schedule())]
-    for name, every in (("kfac adaptive", 1), ("kfac adaptive, inverses every 5", 5)):
-        torch.manual_seed(0)
-        model = models.autoencoder(input_dim=dims, hidden_dims=hidden)
-        kfac = kaisa.KFAC(model, loss="mse", inv_update_steps=every)
-        runners.append(Runner(name, "adam", kfac_step(model, batches, kfac),
-                              *schedule(F=1, I=every, D=kfac.config.damping_interval),
-                              state_of(kfac)))
-    return runners
-
-
-def gpt_runners(smoke: bool) -> list[Runner]:
-    """AdamW, Adam, KFACPreconditioner + AdamW, adaptive KFAC and EKFAC on bench/gpt.py's GPT."""
-    from kaisa.train.text import load_text
-
-    shape = (dict(d_model=32, n_layers=2, context=16, n_heads=4), 4, 60_000) if smoke else (
-        dict(d_model=128, n_layers=4, context=64, n_heads=4), 32, 2 * 2**20)
-    sizes, batch, text_bytes = shape
-    data = load_text(context=int(sizes["context"]), examples_per_epoch=batch,
-                     max_bytes=text_bytes, eval_windows=8)
-    batches = [data.batch(torch.arange(batch), i) for i in range(4)]
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return gpt(**sizes)
-
-    runners = []
-    for name in ("adamw", "adam"):
-        model = build()
-        opt: torch.optim.Optimizer = (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(
-            model.parameters(), lr=3e-3)
-        runners.append(Runner(name, None, first_order_step(model, lm_loss, batches, opt),
-                              *schedule()))
-    for method in ("eigen", "inverse"):  # inverse: pi-damped inverses, two GEMMs a block
-        model = build()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        pre = kaisa.KFACPreconditioner(model, damping=0.03, factor_update_steps=10,
-                                       inv_update_steps=100, lr=3e-3, compute_method=method,
-                                       layer_kinds=("linear", "attention", "embedding"))
-        runners.append(Runner(f"kfac_pre 10/100{' inverse' * (method == 'inverse')} + adamw",
-                              "adamw", first_order_step(model, lm_loss, batches, opt, pre),
-                              *schedule(F=10, I=100), state_of(pre)))
-    model = build()
-    kfac = kaisa.KFAC(model, loss="cross_entropy")
-    runners.append(Runner("kfac adaptive", "adam", kfac_step(model, batches, kfac),
-                          *schedule(F=1, I=1, D=kfac.config.damping_interval), state_of(kfac)))
-    for approx in ("expand", "reduce"):  # reduce: KFAC-reduce statistics (opt-in)
-        model = build()
-        ekfac = kaisa.EKFAC(model, lr=3e-3, factor_update_steps=1, basis_update_steps=10,
-                            kfac_approx=approx)
-        runners.append(Runner("ekfac" + " reduce" * (approx == "reduce"), "adamw",
-                              first_order_step(model, lm_loss, batches, ekfac, kfac=True),
-                              *schedule(F=1, I=10), state_of(ekfac)))
-    return runners
-
-
-TASKS: dict[str, Callable[[bool], list[Runner]]] = {
-    "resnet32": resnet_runners, "autoencoder": autoencoder_runners, "gpt": gpt_runners,
-}
 
 
 def selected(runners: list[Runner], configs: str | None) -> list[Runner]:
