@@ -93,7 +93,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return whole.detach().clone()
 
 
-def build_model(gpt: bool, *, sharded: bool, mesh_shape: tuple[int, ...] | None) -> nn.Module:
+def build_model(gpt: bool, *, sharded: bool, mesh_shape: tuple[int, ...] | None,
+                reshard_after_forward: bool = True) -> nn.Module:
     """The byte GPT or :class:`Net` (seed 0); ``sharded``: ``fully_shard`` on each layer
     (each Transformer block) and on the root, over a 1-D mesh or a ``mesh_shape`` HSDP mesh."""
     torch.manual_seed(0)
@@ -103,8 +104,8 @@ def build_model(gpt: bool, *, sharded: bool, mesh_shape: tuple[int, ...] | None)
         if mesh_shape is not None:
             mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
         for layer in (model.blocks if gpt else (model.conv, model.fc1, model.fc2)):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
 

@@ -41,7 +41,8 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
            mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
     """STEPS of adaptive KFAC; ``rank=None`` is the unsharded single-process reference."""
     gpt = cfg.get("model") == "gpt"
-    model = build_model(gpt, sharded=rank is not None, mesh_shape=mesh_shape)
+    model = build_model(gpt, sharded=rank is not None, mesh_shape=mesh_shape,
+                        reshard_after_forward=cfg.get("reshard", True))
     opt = kaisa.KFAC(
         model, loss="cross_entropy", curvature=cfg["curvature"], seed=7, damping=0.01,
         damping_interval=2, inv_update_steps=2, inv_dtype=torch.float64,
@@ -109,12 +110,14 @@ def _check(cfgs: list[dict[str, Any]], world: int,
 
 
 def test_kfac_fsdp2_two_ranks_equal_one_process() -> None:
-    """Both strategies, the three curvatures, weight decay; the byte GPT with every block
+    """Both strategies, the three curvatures, weight decay, units that stay unsharded
+    after the forward pass (``reshard_after_forward=False``); the byte GPT with every block
     kind (attention's row blocks, the tied embedding and head, LayerNorms) and its
     first-order parameters (AdamW on their shards)."""
     _check([{"curvature": "mc", "strategy": "mem_opt"},
             {"curvature": "empirical", "strategy": "comm_opt", "weight_decay": 1e-3},
             {"curvature": "type2", "strategy": "mem_opt"},
+            {"curvature": "mc", "strategy": "mem_opt", "reshard": False},
             {"curvature": "mc", "strategy": "mem_opt", "model": "gpt"}], 2)
 
 
