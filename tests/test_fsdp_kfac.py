@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import kaisa
 from tests.support.dist import run_distributed
@@ -130,3 +132,39 @@ def test_kfac_hsdp_2x2_equals_one_process() -> None:
 def test_kfac_fsdp2_four_ranks_equal_one_process() -> None:
     _check([{"curvature": "mc", "strategy": "hybrid_opt"},
             {"curvature": "mc", "strategy": "mem_opt", "model": "gpt"}], 4)
+
+
+def _fixed_mode(rank: int, world: int) -> dict[str, list[list[torch.Tensor]]]:
+    """Fixed lr and momentum, empirical curvature, KL clip: under DDP and under FSDP2."""
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    for wrap in ("ddp", "fsdp2"):
+        model = build_model(False, sharded=wrap == "fsdp2", mesh_shape=None)
+        net: nn.Module = DistributedDataParallel(model) if wrap == "ddp" else model
+        opt = kaisa.KFAC(model, loss="cross_entropy", curvature="empirical", lr=0.1,
+                         momentum=0.9, kl_clip=1e-5, damping=0.01, inv_update_steps=2,
+                         inv_dtype=torch.float64, grad_worker_fraction="mem_opt",
+                         layer_kinds=("linear", "conv2d"))
+        steps = []
+        for step in range(STEPS):
+            x, y = _data(world, step, PER_RANK)
+            x, y = (t[rank * PER_RANK : (rank + 1) * PER_RANK] for t in (x, y))
+            opt.step(lambda x=x, y=y, net=net: (net(x), y))
+            steps.append([_full(p) for p in model.parameters()])
+        out[wrap] = steps
+    return out
+
+
+def test_kfac_fixed_lr_under_fsdp2_equals_ddp() -> None:
+    """The fixed mode (``lr``/``momentum`` numbers, the preconditioned gradients written into
+    the sharded ``.grad`` with a KL clip that binds, then the SGD update of the shards). Its empirical
+    G keeps kfac-pytorch's convention (each rank's output gradients of its own mean loss,
+    ``docs/conventions.md``), so the reference is DDP on the same ranks, not one process."""
+    results = run_distributed(_fixed_mode, 2, timeout=120.0)
+    for got in results:
+        moved = [float((b - a).abs().max()) for a, b in zip(got["ddp"][0], got["ddp"][-1],
+                                                              strict=True)]
+        assert min(moved) > 1e-5, moved
+        for step, (want, have) in enumerate(zip(got["ddp"], got["fsdp2"], strict=True)):
+            for w, h in zip(want, have, strict=True):
+                torch.testing.assert_close(h, w, rtol=RTOL, atol=ATOL, msg=f"step {step}")
