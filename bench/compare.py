@@ -185,8 +185,8 @@ class Run:
                 kfac_approx="reduce" if "reduce" in options else "expand",
             )
             self.optimizers = [self.ekfac]
-        elif name == "kfac" or name == "kfac@damping=0.1":
-            extra: dict[str, Any] = {}
+        elif name in ("kfac", "kfac@damping=0.1", "kfac-reduce"):
+            extra: dict[str, Any] = {"kfac_approx": "reduce"} if name == "kfac-reduce" else {}
             if name == "kfac@damping=0.1":
                 extra = dict(damping=0.1, inv_update_steps=5, compute_method="pi_inverse")
             self.kfac = kaisa.KFAC(model, loss="cross_entropy", **extra)

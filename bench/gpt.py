@@ -15,7 +15,8 @@ Configurations (``--only`` picks some; the default runs the first nine):
 * ``soap``: ``bench/soap.py`` (lr 1e-2, betas (0.95, 0.95), basis every 10 steps).
 * ``kfac``: ``kaisa.KFAC(model, loss="cross_entropy")`` with its defaults, and
   ``kfac@damping=0.1`` (kaisa-train's ``--task lm`` default: damping 0.1, inverses
-  every 5, ``pi_inverse``). Adaptive lr and momentum: no schedule, no clipping.
+  every 5, ``pi_inverse``), and ``kfac-reduce`` (defaults with KFAC-reduce factor
+  statistics). Adaptive lr and momentum: no schedule, no clipping.
 * ``ekfac[-OPTION...]@lr``: ``kaisa.EKFAC`` (eigenbases by ``eigh`` every 10 steps), with
   AdamW's betas and eps and factors every step unless an option says otherwise: ``fK``
   factors every K steps with ``factor_decay`` 0.95**K (the running average's horizon kept
@@ -62,7 +63,7 @@ CONFIGS = (
     *(f"adamw@{lr:g}" for lr in ADAMW_GRID), "muon", "soap", "kfac", "ekfac@0.003",
     "ekfac-b95@0.01", "ekfac-f5-b95@0.01", "ekfac-f5-b95@0.003",
 )
-EXTRA_CONFIGS = ("adamw+kfac", "kfac@damping=0.1", "ekfac-qr@0.003")
+EXTRA_CONFIGS = ("adamw+kfac", "kfac@damping=0.1", "kfac-reduce", "ekfac-qr@0.003")
 
 
 RECIPE = Recipe(

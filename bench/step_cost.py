@@ -12,7 +12,8 @@ Tasks and configurations (each keeps its own model, built from the same seed):
   its stdlib corpus). ``adamw`` and ``adam`` (lr 3e-3) against ``KFACPreconditioner`` +
   AdamW at factors every 10 / inverses every 100 (``bench/gpt.py``'s kinds and damping),
   ``kaisa.KFAC(loss="cross_entropy")`` (defaults; ``kfac adaptive double_backward``: with
-  ``jvp="double_backward"``, every step under the math attention kernel) and
+  ``jvp="double_backward"``, every step under the math attention kernel; ``kfac adaptive
+  reduce``: with ``kfac_approx="reduce"``) and
   ``kaisa.EKFAC`` (lr 3e-3, factors every step, eigenbases every 10, as in
   ``bench/gpt.py``; ``ekfac reduce``: with ``kfac_approx="reduce"``). No clipping, no lr
   schedule. The configurations are built in ``bench/step_cost_tasks.py``.

@@ -208,14 +208,16 @@ def gpt_runners(smoke: bool) -> list[Runner]:
         runners.append(Runner(f"kfac_pre 10/100{' inverse' * (method == 'inverse')} + adamw",
                               "adamw", first_order_step(model, lm_loss, batches, opt, pre),
                               *schedule(F=10, I=100), state_of(pre)))
-    for jvp in ("forward", "double_backward"):  # the latter over math attention (see below)
+    # double_backward: over math attention (below); reduce: KFAC-reduce statistics (opt-in)
+    for suffix, extra in (("", {}), (" double_backward", {"jvp": "double_backward"}),
+                          (" reduce", {"kfac_approx": "reduce"})):
         model = build()
-        kfac = kaisa.KFAC(model, loss="cross_entropy", jvp=jvp)
+        kfac = kaisa.KFAC(model, loss="cross_entropy", **extra)
         step = kfac_step(model, batches, kfac)
-        if jvp == "double_backward":  # the fused attention kernels have no double backward
+        if "jvp" in extra:  # the fused attention kernels have no double backward
             step = (lambda inner: lambda i: _in(math_attention, inner, i))(step)
-        runners.append(Runner("kfac adaptive" + " double_backward" * (jvp != "forward"), "adam",
-                              step, *schedule(F=1, I=1, D=kfac.config.damping_interval),
+        runners.append(Runner("kfac adaptive" + suffix, "adam", step,
+                              *schedule(F=1, I=1, D=kfac.config.damping_interval),
                               state_of(kfac)))
     for approx in ("expand", "reduce"):  # reduce: KFAC-reduce statistics (opt-in)
         model = build()
