@@ -213,8 +213,8 @@ def gram(
         first = parts[0]
         if isinstance(first, DTensor):
             rows = torch.stack([t.to_local().reshape(-1) for t in parts]).double()
-            sharded = (rows @ rows.T).mul_(shard_count(first)).add_(
-                0 if sharded is None else sharded)
+            part = (rows @ rows.T).mul_(shard_count(first))
+            sharded = part if sharded is None else sharded.add_(part)
         else:
             rows = torch.stack([t.reshape(-1) for t in parts]).double()
             out.add_(rows @ rows.T)

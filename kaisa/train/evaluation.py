@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from kaisa.fsdp_tangents import reshard
 from kaisa.train.data import Dataset
 from kaisa.train.distributed import DistContext, all_reduce_sum
 
@@ -58,8 +59,7 @@ def evaluate(
         if task == "classify":
             totals[1] += (out.argmax(1) == yb).sum()
         totals[2] += len(xb)
-    if isinstance(model, FSDPModule):  # the root keeps its parameters unsharded after a
-        model.reshard()  # forward (none after it here): shard them again, as the optimizer has
+    reshard(model)  # FSDP2 keeps the root unsharded after a no-grad forward (none after it)
     all_reduce_sum(totals, context)
     model.train(was_training)
     loss = float(totals[0] / totals[2])
