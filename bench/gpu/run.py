@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from schema import validate  # noqa: E402
 from table import render  # noqa: E402
 
+
 @dataclass(frozen=True)
 class Stage:
     """One stage: its name, time cap in seconds and the stage it needs."""
