@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -101,7 +102,9 @@ def run_capped(cmd: list[str], timeout: float, env: dict[str, str] | None = None
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, **(env or {})}, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+            str(ROOT), os.environ.get("PYTHONPATH")])), **(env or {})},
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=max(timeout, 1.0))
@@ -239,6 +242,8 @@ def stage_tests(ctx: Context, timeout: float) -> dict[str, Any]:
            "--continue-on-collection-errors", "--timeout", "120", f"--junitxml={xml}"]
     if ctx.dry_run:
         cmd.append("--collect-only")
+    elif importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "4"]  # a test that crashes its worker is reported, the rest still run
     out = run_capped(cmd, timeout)
     ctx.log("tests", out.output)
     detail: dict[str, Any] = {"command": " ".join(cmd[1:]), "seconds": round(out.seconds, 1)}
