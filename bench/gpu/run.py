@@ -12,10 +12,12 @@ build         150   ``python setup.py build_ext --inplace`` for the card's capab
                     (``TORCH_CUDA_ARCH_LIST``), ``MAX_JOBS`` = all cores; then the
                     extension must load with a CUDA kernel for every op
 tests          90   ``pytest -m gpu tests`` (``tests/test_cuda_ops.py`` and the other
-                    CUDA suites on the ``cuda`` backend), outcomes from JUnit XML
+                    CUDA suites on the ``cuda`` backend), 30 s a test, resumed past
+                    a test that crashes the process (``bench/gpu/gpu_tests.py``)
 sanitizer      60   ``compute-sanitizer`` memcheck, racecheck and synccheck (a third of
                     the cap each) over ``bench/gpu/sanitize_cases.py``: every op and
-                    eigh routine once, small shapes
+                    eigh routine once, small shapes; resumed past a case that stops
+                    the sanitizer (``bench/gpu/sanitize.py``)
 kernels        75   ``bench/bench_kernels_gpu.py``: covariance (fused / GEMM, TF32 off
                     and on), conv covariance, batched eigh (kaisa, torch, CuPy), the
                     syevj knee, preconditioning; each row with its floor and gap
@@ -35,7 +37,8 @@ ran and what did not, and ``--out`` receives::
     log-<stage>.txt            each stage's output
 
 ``--dry-run`` (CI, no GPU) runs the same plumbing on the CPU at tiny sizes: the build
-stage only checks that the installed extension loads, the tests are collected, not run,
+stage only checks that the installed extension loads, the gpu-marked tests the CPU
+collects run (and skip),
 the sanitizer cases run without compute-sanitizer, and the benchmarks run on the CPU;
 the JSON must still validate::
 
@@ -47,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -57,7 +59,6 @@ import signal
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sanitize  # noqa: E402
+import toolchain  # noqa: E402
+from gpu_tests import collect, run_resumable  # noqa: E402
 from schema import validate  # noqa: E402
 from table import render  # noqa: E402
 
@@ -186,12 +190,15 @@ print(json.dumps({"backend": o.backend(), "cuda_kernels_error": o.cuda_kernels_e
 
 
 def stage_build(ctx: Context, timeout: float) -> dict[str, Any]:
-    """Builds the extension in place for this card, then checks that it loads."""
+    """Builds the extension in place for this card, then checks that it loads and that an
+    argument check's error message comes back as an error (not a crash)."""
     cap = ctx.env.get("capability")
-    env = {"MAX_JOBS": str(os.cpu_count() or 2)}
+    compiler = toolchain.choose(ctx.cxx)
+    env = {"MAX_JOBS": str(os.cpu_count() or 2), **toolchain.build_env(compiler)}
     if cap:
         env["TORCH_CUDA_ARCH_LIST"] = str(cap)
-    result: dict[str, Any] = {"arch": env.get("TORCH_CUDA_ARCH_LIST"), "jobs": env["MAX_JOBS"]}
+    result: dict[str, Any] = {"arch": env.get("TORCH_CUDA_ARCH_LIST"), "jobs": env["MAX_JOBS"],
+                              "compiler": compiler}
     if ctx.dry_run:
         result["build"] = "not run (dry run): the installed extension is checked"
     else:
@@ -210,53 +217,39 @@ def stage_build(ctx: Context, timeout: float) -> dict[str, Any]:
         result["error"] = "the extension check printed no JSON"
         return {"status": "failed", "detail": result}
     result.update(info)
+    check = run_capped([sys.executable, "-c", toolchain.ERROR_PATH], 30)
+    ctx.log("build", check.output)
+    result["error_path"] = (check.output.strip().splitlines() or [""])[-1] if check.rc == 0 else (
+        f"crashed (exit code {check.rc})")
     want_cuda = not ctx.dry_run
     ok = info["backend"] == "ext" and (not want_cuda or info["cuda_kernels_error"] is None)
     return {"status": "passed" if ok else "failed", "detail": result}
 
 
-def junit_counts(path: Path) -> dict[str, Any]:
-    """Counts and failing test ids from a pytest JUnit XML file."""
-    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    failures: list[str] = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        if "failure" in kinds:
-            counts["failed"] += 1
-            failures.append(name)
-        elif "error" in kinds:
-            counts["error"] += 1
-            failures.append(name)
-        elif "skipped" in kinds:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
-    return {**counts, "failures": failures[:50]}
-
-
 def stage_tests(ctx: Context, timeout: float) -> dict[str, Any]:
-    """The gpu-marked tests on the cuda backend (collected only in a dry run)."""
-    xml = ctx.work / "tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", "--timeout", "120", f"--junitxml={xml}"]
-    if ctx.dry_run:
-        cmd.append("--collect-only")
-    elif importlib.util.find_spec("xdist") is not None:
-        cmd += ["-n", "4"]  # a test that crashes its worker is reported, the rest still run
-    out = run_capped(cmd, timeout)
-    ctx.log("tests", out.output)
-    detail: dict[str, Any] = {"command": " ".join(cmd[1:]), "seconds": round(out.seconds, 1)}
-    if ctx.dry_run:
-        match = re.search(r"(\d+)(?:/\d+)? tests? collected", out.output)
-        detail["collected"] = int(match.group(1)) if match else 0
-        ok = out.rc == 0 and detail["collected"] > 0
-        return {"status": "passed" if ok else "failed", "detail": detail}
-    if xml.exists():
-        detail.update(junit_counts(xml))
-    if out.rc is None:
+    """The gpu-marked tests on the cuda backend, resumed past any test that crashes pytest.
+
+    In a dry run the same runner runs the gpu-marked tests the CPU collects (they skip).
+    """
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--timeout", "30"]
+
+    def run(args: list[str], seconds: float) -> Outcome:
+        return run_capped([*base, *args], seconds, {"PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(ROOT / "bench" / "gpu")])})
+
+    t0 = time.monotonic()
+    ids, listing = collect(run, ["tests", "-m", "gpu", "--continue-on-collection-errors"],
+                           min(60.0, timeout / 2))
+    ctx.log("tests", listing)
+    result = run_resumable(run, ids, timeout - (time.monotonic() - t0),
+                           lambda text: ctx.log("tests", text))
+    detail = {"command": " ".join([*base[1:], "-m gpu tests (ids in run order)"]),
+              **result.summary()}
+    if result.timed_out:
         return {"status": "timed out", "detail": detail}
-    ok = out.rc == 0 and detail.get("passed", 0) > 0
+    ran = detail["passed"] + detail["skipped"]
+    ok = bool(ids) and detail["not_run"] == 0 and ran == len(ids) and (
+        ctx.dry_run or detail["passed"] > 0)
     return {"status": "passed" if ok else "failed", "detail": detail}
 
 
@@ -264,40 +257,35 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 
 
 def stage_sanitizer(ctx: Context, timeout: float) -> dict[str, Any]:
-    """compute-sanitizer's three tools over the small kernel cases."""
+    """compute-sanitizer's three tools over the small kernel cases (``sanitize.py``)."""
     cases = [sys.executable, "bench/gpu/sanitize_cases.py"]
     exe = ctx.env.get("compute_sanitizer")
-    tools: dict[str, Any] = {}
+    listing = run_capped([*cases, "--list"], 30)
+    names = listing.output.split("\n")[:-1] if listing.rc == 0 else []
     if ctx.dry_run or not exe:
         out = run_capped([*cases, "--device", "cpu" if ctx.dry_run else "cuda"], timeout)
         ctx.log("sanitizer", out.output)
         why = "dry run" if ctx.dry_run else "compute-sanitizer not found"
         tools = {t: {"status": f"not run ({why})"} for t in SANITIZER_TOOLS}
-        status = ("passed" if out.rc == 0 else "failed") if ctx.dry_run else "not run"
-        return {"status": status, "detail": {"cases_rc": out.rc, "tools": tools}}
+        status = ("passed" if out.rc == 0 and names else "failed") if ctx.dry_run else "not run"
+        return {"status": status, "detail": {"cases": names, "cases_rc": out.rc, "tools": tools}}
     env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}  # exact allocations: every overrun is seen
+
+    def run(args: list[str], seconds: float) -> Outcome:
+        return run_capped(args, seconds, env)
+
     deadline = time.monotonic() + timeout
+    tools = {}
     for i, tool in enumerate(SANITIZER_TOOLS):
         share = (deadline - time.monotonic()) / (len(SANITIZER_TOOLS) - i)
-        cmd = [exe, "--tool", tool, "--error-exitcode", "86", "--print-limit", "20"]
+        cmd = [exe, "--tool", tool, "--error-exitcode", str(sanitize.ERROR_EXIT),
+               "--print-limit", "20"]
         if tool != "memcheck":  # shared-memory hazards and barriers: kaisa's kernels only
             cmd += ["--kernel-name", "kns=kaisa"]
-        out = run_capped([*cmd, *cases, "--device", "cuda"], share, env)
-        if out.rc not in (0, 86, None) and "--kernel-name" in cmd and "ERROR SUMMARY" not in (
-                out.output):  # a sanitizer without that filter: every kernel instead
-            ctx.log("sanitizer", f"$ {' '.join(cmd)}\n{out.output}\n(retrying unfiltered)")
-            cmd = cmd[:-2]
-            out = run_capped([*cmd, *cases, "--device", "cuda"],
-                             max(deadline - time.monotonic(), 1.0) / (len(SANITIZER_TOOLS) - i),
-                             env)
-        ctx.log("sanitizer", f"$ {' '.join(cmd)}\n{out.output}")
-        summary = re.findall(r"ERROR SUMMARY: (\d+) error", out.output)
-        status = ("timed out" if out.rc is None else "passed" if out.rc == 0 and summary
-                  else "errors" if out.rc == 86 else "failed")
-        tools[tool] = {"status": status, "errors": int(summary[-1]) if summary else None,
-                       "seconds": round(out.seconds, 1)}
-    ok = all(t["status"] == "passed" for t in tools.values())
-    return {"status": "passed" if ok else "failed", "detail": {"tools": tools}}
+        tools[tool] = sanitize.run_tool(run, [*cmd, *cases, "--device", "cuda"], names, share,
+                                        lambda text: ctx.log("sanitizer", text))
+    ok = bool(names) and all(t["status"] == "passed" for t in tools.values())
+    return {"status": "passed" if ok else "failed", "detail": {"cases": names, "tools": tools}}
 
 
 def _json_stage(ctx: Context, name: str, cmd: list[str], timeout: float,
@@ -346,6 +334,7 @@ class Context:
     work: Path
     dry_run: bool
     env: dict[str, Any]
+    cxx: str | None = None
 
     def log(self, stage: str, text: str) -> None:
         """Appends ``text`` to the stage's log file (its last 4 MB kept)."""
@@ -366,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages")
     parser.add_argument("--dry-run", action="store_true", help="CPU plumbing check, tiny sizes")
+    parser.add_argument("--cxx", default=None,
+                        help="C++ compiler for the build (default: bench/gpu/toolchain.py)")
     parser.add_argument("--stages", default=",".join(s.name for s in STAGES),
                         help="comma-separated subset (environment always runs)")
     args = parser.parse_args(argv)
@@ -376,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / ".work"
     work.mkdir(exist_ok=True)
-    ctx = Context(out=args.out, work=work, dry_run=args.dry_run, env={})
+    ctx = Context(out=args.out, work=work, dry_run=args.dry_run, env={}, cxx=args.cxx)
     start = time.monotonic()
     deadline = start + args.budget
     started = datetime.datetime.now(datetime.timezone.utc)

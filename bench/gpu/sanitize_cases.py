@@ -9,6 +9,8 @@ agreed. Small shapes keep the sanitizers' slowdown (10-100x) within a minute.
 
     compute-sanitizer --tool memcheck python bench/gpu/sanitize_cases.py --device cuda
     python bench/gpu/sanitize_cases.py --device cpu     # the same plumbing on the CPU
+    python bench/gpu/sanitize_cases.py --list           # the case names, in run order
+    python bench/gpu/sanitize_cases.py --after "eigh syevj"   # resume after a case
 """
 
 from __future__ import annotations
@@ -124,10 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     """Runs every case; prints one line each; exit code 1 if any failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--list", action="store_true", help="print the case names and exit")
+    parser.add_argument("--after", default=None,
+                        help="run only the cases after this one (resuming past a crash)")
     args = parser.parse_args(argv)
+    names = list(cases("cpu"))
+    if args.list:
+        print("\n".join(names))
+        return 0
+    if args.after is not None and args.after not in names:
+        parser.error(f"unknown case {args.after!r}")
+    skip = names.index(args.after) + 1 if args.after is not None else 0
     print(f"kaisa.ops backend {kaisa.ops.backend()}, device {args.device}", flush=True)
     failed = 0
-    for name, case in cases(args.device).items():
+    for name, case in list(cases(args.device).items())[skip:]:
         try:
             case()
             if args.device == "cuda":
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             print(f"FAIL  {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}",
                   flush=True)
-    print(f"{failed} of {len(cases(args.device))} cases failed")
+    print(f"{failed} of {len(names) - skip} cases failed")
     return 1 if failed else 0
 
 

@@ -3,8 +3,9 @@
 Tasks (synthetic inputs; every model of a task built from the same seed):
 
 * ``resnet50``: ResNet-50 at ImageNet shapes (batch 32 of 3x224x224, 1000 classes),
-  cross-entropy. ``sgd`` (momentum 0.9) against ``KFACPreconditioner`` + SGD with
-  factors every 10 and eigendecompositions every 100 steps (KAISA's 10/100).
+  cross-entropy (``--tiny``: a CIFAR ResNet-20 on 32x32 inputs in its place). ``sgd``
+  (momentum 0.9) against ``KFACPreconditioner`` + SGD with factors every 10 and
+  eigendecompositions every 100 steps (KAISA's 10/100).
 * ``gpt``: the byte GPT at a GPU size (d 768, 12 layers, 12 heads, context 1024, batch 8)
   under bf16 autocast. ``adamw`` (lr 3e-3) against ``torch.optim.Muon`` (lr 0.05 on the
   blocks' matrices, AdamW on the rest) and ``kaisa.EKFAC`` (lr 3e-3, factors every
@@ -14,7 +15,8 @@ Tasks (synthetic inputs; every model of a task built from the same seed):
 
 Protocol: the configurations of a task are built together; ``--warmup`` steps each, then
 ``--rounds`` rounds of ``--round-steps`` steps of every configuration in turn (the order
-rotating). Each step is timed on the host between two device synchronisations and
+rotating; the defaults per task, ``STEPS``, time each schedule's rarest step at least
+once). Each step is timed on the host between two device synchronisations and
 labelled by what its schedule does (``F`` factors, ``I`` eigendecompositions, ``D`` the
 damping rule, ``-`` none); the per-step cost is the amortised median: the sum over labels
 of (the label's share of one schedule period) x (the median of its timed steps), and the
@@ -47,6 +49,7 @@ from torch import nn
 import kaisa
 from kaisa.models import autoencoder
 from kaisa.models.gpt import gpt
+from kaisa.models.resnet import resnet20
 from kaisa.models.resnet_imagenet import resnet50
 
 
@@ -115,9 +118,9 @@ def resnet50_configs(s: Setup) -> tuple[list[Config], dict[str, Any]]:
     data = (torch.randn(batch, 3, side, side, generator=gen).to(s.device),
             torch.randint(0, 1000, (batch,), generator=gen).to(s.device))
 
-    def build() -> nn.Module:
+    def build() -> nn.Module:  # tiny (the dry run): a CIFAR ResNet-20 in its place
         torch.manual_seed(0)
-        return resnet50().to(s.device)
+        return (resnet20(num_classes=1000) if s.tiny else resnet50()).to(s.device)
 
     model = build()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
@@ -129,7 +132,8 @@ def resnet50_configs(s: Setup) -> tuple[list[Config], dict[str, Any]]:
     configs.append(Config("kfac_pre 10/100 + sgd", "sgd",
                           train_step(model, F.cross_entropy, data, sgd, pre),
                           {"F": 10, "I": 100}))
-    return configs, {"batch": batch, "image": side, "classes": 1000}
+    return configs, {"model": "resnet20" if s.tiny else "resnet50", "batch": batch,
+                     "image": side, "classes": 1000}
 
 
 def gpt_configs(s: Setup) -> tuple[list[Config], dict[str, Any]]:
@@ -288,18 +292,28 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device; use --device cpu for the plumbing check")
-    defaults = (1, 1, 2) if args.tiny else (3, 5, 21)
-    # 3 + 5 x 21 = 108 steps: each schedule's I step at 10 / 100 is timed at least once
-    s = Setup(device, args.tiny, *(v if v is not None else d for v, d in zip(
-        (args.warmup, args.rounds, args.round_steps), defaults, strict=True)))
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+    env_out = os.environ.get("KAISA_BENCH_OUT")
+    out = args.out or (Path(env_out) if env_out else
+                       Path(__file__).resolve().parents[1] / "results" / "step_cost_gpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.budget
-    estimates = {"resnet50": 40.0, "gpt": 60.0, "autoencoder": 15.0}  # seconds on an H100
     tasks: dict[str, Any] = {}
+    payload = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "tiny": args.tiny, "protocol": {}, "tasks": tasks,
+    }
     for name in [t.strip() for t in args.tasks.split(",")]:
+        # per task: the fewest steps that time each schedule's rarest step at least once
+        # (ResNet-50: 3 + 5 x 21 = 108 > 100; GPT: 3 + 2 x 12 = 27 > 20)
+        defaults = (1, 1, 2) if args.tiny else STEPS.get(name, (3, 3, 10))
+        s = Setup(device, args.tiny, *(v if v is not None else d for v, d in zip(
+            (args.warmup, args.rounds, args.round_steps), defaults, strict=True)))
+        payload["protocol"][name] = {"warmup": s.warmup, "rounds": s.rounds,
+                                     "round_steps": s.round_steps}
         left = deadline - time.perf_counter()
-        if not args.tiny and left < estimates.get(name, 30.0) * 0.5:
+        if not args.tiny and left < ESTIMATE_S.get(name, 30.0) * 0.5:
             tasks[name] = {"error": f"not run: {left:.0f} s left of the budget"}
             continue
         print(f"--- {name}", flush=True)
@@ -308,19 +322,18 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # one broken task does not hide the others' numbers
             tasks[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         print(json.dumps(tasks[name], indent=1), flush=True)
-    env_out = os.environ.get("KAISA_BENCH_OUT")
-    out = args.out or (Path(env_out) if env_out else
-                       Path(__file__).resolve().parents[1] / "results" / "step_cost_gpu.json")
-    payload = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "tiny": args.tiny,
-        "protocol": {"warmup": s.warmup, "rounds": s.rounds, "round_steps": s.round_steps},
-        "tasks": tasks,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+        # after every task: a run cut short keeps the tasks it finished
+        out.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out}")
     return 0 if all("error" not in t for t in tasks.values()) else 1
+
+
+STEPS = {"resnet50": (3, 5, 21), "gpt": (3, 2, 12), "autoencoder": (3, 3, 10)}
+"""Warm-up steps, rounds and steps a round per task (``--warmup`` etc. override)."""
+
+ESTIMATE_S = {"resnet50": 40.0, "gpt": 60.0, "autoencoder": 15.0}
+"""Seconds a task takes on an H100 (ResNet-50 measured: 34 s): one that would start with
+less than half of it left is not run."""
 
 
 if __name__ == "__main__":

@@ -20,12 +20,14 @@ def stage_rows(result: dict[str, Any]) -> list[str]:
         if name == "environment":
             what = f"{d.get('device', '')}, driver {d.get('driver')}, torch {d.get('torch')}"
         elif name == "build":
-            what = (f"arch {d.get('arch')}, {d.get('build_s', '-')} s, backend "
-                    f"{d.get('backend')}" + (f", {d['error']}" if d.get("error") else ""))
+            cxx = (d.get("compiler") or {}).get("cxx") or "default c++"
+            what = (f"arch {d.get('arch')}, {cxx}, {d.get('build_s', '-')} s, backend "
+                    f"{d.get('backend')}" + (f", {d['error']}" if d.get("error") else "")
+                    + (f", error path: {d['error_path']}" if "error_path" in d else ""))
         elif name == "tests":
-            what = (f"{d.get('passed', 0)} passed, {d.get('failed', 0)} failed, "
-                    f"{d.get('error', 0)} errors, {d.get('skipped', 0)} skipped"
-                    if "passed" in d else f"{d.get('collected', 0)} collected")
+            what = ", ".join(f"{d[k]} {k}" for k in (
+                "collected", "passed", "failed", "error", "crashed", "skipped", "not_run")
+                if d.get(k))
         elif name == "sanitizer":
             what = ", ".join(f"{t} {v.get('status')}" for t, v in d.get("tools", {}).items())
         elif name == "kernels":

@@ -487,10 +487,18 @@ EighOutputs eigh_queued(const at::Tensor& a_in, bool wait) {
 
   if (batch > 0 && n > 0) {
     deferred_host_workspaces().reap();
+    // A matrix with a non-finite entry is flagged from its input and handed to the
+    // solver as the identity: on an H100 syevjBatched given a NaN matrix reported
+    // neither a nonzero info nor non-finite results, so the solvers' own NaN
+    // behaviour is not relied on (and cannot disturb the other matrices of a batch).
+    const at::Tensor bad_input = at::isfinite(a).flatten(1).all(-1).logical_not();
+    vecs_cm.masked_fill_(bad_input.view({batch, 1, 1}), 0);
+    vecs_cm.diagonal(0, 1, 2).masked_fill_(bad_input.view({batch, 1}), 1);
     const EighImpl impl = choose_impl(batch, n);
     std::vector<std::vector<char>> host_ws;  // must outlive the queued calls
     status = st == at::kFloat ? eigh_impl<float>(vecs_cm, vals, impl, host_ws)
                               : eigh_impl<double>(vecs_cm, vals, impl, host_ws);
+    status.select(1, 1).bitwise_or_(bad_input.to(at::kInt));
     if (wait) {
       raise_on_failure(status, impl, st, n);
     } else {

@@ -175,7 +175,7 @@ def eigh_status(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     Returns:
         Eigenvalues, eigenvectors (as :func:`eigh`) and an int32 status ``a.shape[:-2] +
         (2,)``: per matrix ``[info, non-finite]``, ``info`` 1 where the solver raised (its
-        results are then NaN), ``non-finite`` 1 where a result is not finite.
+        results are then NaN), ``non-finite`` 1 where the matrix or a result is not finite.
     """
     batch = a if a.dim() == 3 else a.unsqueeze(0)
     vals = batch.new_empty(batch.shape[:-1])
@@ -188,6 +188,7 @@ def eigh_status(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
             info[b] = 1
             vals[b], vecs[b] = math.nan, math.nan
     finite = torch.isfinite(vals).all(-1) & torch.isfinite(vecs).flatten(1).all(-1)
+    finite &= torch.isfinite(batch).flatten(1).all(-1)
     status = torch.stack([info, (~finite).to(torch.int32)], dim=1)
     if a.dim() == 2:
         return vals[0], vecs[0], status[0]

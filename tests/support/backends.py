@@ -99,6 +99,20 @@ class Backend:
         return results
 
     @contextlib.contextmanager
+    def solver_nan_garbage(self, garbage: bool) -> Iterator[None]:
+        """Under the emulator: the solvers' results for a non-finite matrix are NaN, or
+        finite and wrong with info 0 (``garbage``: what syevjBatched gave on an H100).
+        A no-op on a GPU (the real solver's behaviour is the one case there)."""
+        if not self.emulated:
+            yield
+            return
+        before = torch.ops.simt.set_nonfinite_garbage(garbage)
+        try:
+            yield
+        finally:
+            torch.ops.simt.set_nonfinite_garbage(before)
+
+    @contextlib.contextmanager
     def schedule(self, schedule: int) -> Iterator[None]:
         """Runs the block under the emulator's ``schedule`` (a no-op on a GPU)."""
         if not self.emulated:

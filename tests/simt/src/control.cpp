@@ -41,6 +41,8 @@ int64_t pending_tasks() { return pending(current_device()); }
 
 int64_t xsyev_limit(int64_t limit) { return set_xsyev_max_elements(limit); }
 
+bool nonfinite_garbage(bool on) { return set_nonfinite_garbage(on); }
+
 void inject(const std::string& routine, int64_t matrix, int64_t code) {
   inject_solver_info(routine, matrix, code);
 }
@@ -59,4 +61,5 @@ TORCH_LIBRARY(simt, m) {
   m.def("pending() -> int", &simt::pending_tasks);
   m.def("inject_solver_info(str routine, int matrix, int code) -> ()", &simt::inject);
   m.def("set_xsyev_max_elements(int limit) -> int", &simt::xsyev_limit);
+  m.def("set_nonfinite_garbage(bool on) -> bool", &simt::nonfinite_garbage);
 }

@@ -16,7 +16,9 @@
 // queued call). Modelling choices (not cuSOLVER's documented behaviour): a
 // matrix with a non-finite entry in its triangle gives NaN eigenvalues and
 // vectors with info 0 (syevd, XsyevBatched) or info n + 1 (syevjBatched);
-// unsorted syevj eigenvalues (sort_eig = 0) come out descending; the
+// torch.ops.simt.set_nonfinite_garbage(True) makes every routine return finite,
+// wrong results with info 0 for such a matrix instead (what syevjBatched did on an
+// H100); unsorted syevj eigenvalues (sort_eig = 0) come out descending; the
 // workspace sizes are LAPACK's syevd size 1 + 6n + 2n^2 per matrix.
 // torch.ops.simt.inject_solver_info makes a call report a chosen info code.
 #include <cusolverDn.h>
@@ -58,6 +60,9 @@ struct Injection {
 };
 
 std::atomic<int64_t> g_xsyev_max_elements{std::numeric_limits<int32_t>::max()};
+std::atomic<bool> g_nonfinite_garbage{false};
+
+bool nonfinite_gives_garbage() { return g_nonfinite_garbage.load(); }
 
 std::mutex g_inject_mutex;
 std::map<std::string, std::vector<Injection>> g_injections;
@@ -130,6 +135,13 @@ int solve_one(T* A, int64_t lda, T* W, int64_t n, cublasFillMode_t uplo, bool ve
       for (int64_t i = 0; i < n && vectors; ++i) A[i + j * lda] = nan;
     }
   };
+  if (!finite && nonfinite_gives_garbage()) {  // finite, wrong results and info 0
+    for (int64_t j = 0; j < n; ++j) {
+      W[j] = static_cast<T>(j + 1);
+      for (int64_t i = 0; i < n && vectors; ++i) A[i + j * lda] = static_cast<T>(0.5);
+    }
+    return 0;
+  }
   if (!finite) {
     poison();
     return fail;
@@ -275,6 +287,8 @@ void xsyev_run(T* A, int64_t lda, T* W, int64_t n, cublasFillMode_t uplo, bool v
 }
 
 }  // namespace
+
+bool set_nonfinite_garbage(bool on) { return g_nonfinite_garbage.exchange(on); }
 
 int64_t set_xsyev_max_elements(int64_t limit) {
   TORCH_CHECK(limit >= 1 && limit <= std::numeric_limits<int32_t>::max(),

@@ -35,5 +35,8 @@ void clear_launch_log();
 void inject_solver_info(const std::string& routine, int64_t matrix, int64_t code);
 // XsyevBatched's limit on n * lda * batchSize (cuSOLVER: INT32_MAX); returns the old one.
 int64_t set_xsyev_max_elements(int64_t limit);
+// cusolver.cpp: whether a matrix with a non-finite entry gets finite, wrong results and
+// info 0 (true) or NaN results (false, the default); returns the old setting.
+bool set_nonfinite_garbage(bool on);
 
 }  // namespace simt
