@@ -461,6 +461,22 @@ def eigh_floor(n: int, count: int, dtype: torch.dtype) -> float:
     return floor_ms(count * EIGH_FLOPS_PER_N3 * n**3, count * 2 * n * n * size, _precision(dtype))
 
 
+def eigh_paths(a: torch.Tensor) -> dict[str, Callable[[], object]] | None:
+    """kaisa's batched eigh with each routine for several matrices forced (the data for the
+    routine choice by size and batch); None on the CPU."""
+    if DEVICE != "cuda":
+        return None
+
+    def forced(impl: str) -> Callable[[], object]:
+        def call() -> object:
+            with env_var("KAISA_EIGH_IMPL", impl):
+                return torch.ops.kaisa.batched_eigh(a)
+
+        return call
+
+    return {"xsyev_batched": forced("xsyev_batched"), "syevd": forced("syevd")}
+
+
 def eigh_dims() -> list[int]:
     """The factor sizes decomposed: ResNet-50's, or a few small ones (tiny)."""
     return [4, 8, 8, 33] if TINY else factor_dims()
@@ -550,6 +566,7 @@ def test_eigh_resnet50_factor_set(benchmark: Any, dtype: torch.dtype) -> None:
             "eigh", f"n{n}-b{a.shape[0]}-{str(dtype)[6:]}",
             lambda a=a: torch.ops.kaisa.batched_eigh(a), alternatives, floor=floor,
             timing=(1, 3), impl=os.environ.get("KAISA_EIGH_IMPL", "auto"),
+            paths=eigh_paths(a) if dtype == torch.float32 and a.shape[0] > 1 else None,
         )
         for name, ms in entry["ms"].items():
             totals[name] += ms

@@ -323,6 +323,24 @@ def test_batched_eigh(
         _check_eigh(a, vals, vecs)
 
 
+@pytest.mark.parametrize(("n", "batch", "routine"), [
+    (100, 3, "XsyevBatched"),   # n <= 512: the batched routine at any batch
+    (577, 3, "syevd"),          # few large matrices: one syevd each (measured on an H100)
+    (577, 8, "XsyevBatched"),   # enough of them: batched again
+])
+def test_batched_eigh_chooses_the_routine_by_size_and_batch(
+    backend: Backend, n: int, batch: int, routine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not backend.emulated:
+        pytest.skip("the routine is read from the emulator's call log")
+    monkeypatch.delenv("KAISA_EIGH_IMPL", raising=False)
+    a = _spd_batch(batch, n, torch.float32)
+    for vals, vecs in _runs(backend, lambda: backend.ops().batched_eigh(backend.to_device(a))):
+        _check_eigh(a, vals, vecs)
+        called = {e.split()[0] for e in torch.ops.simt.launch_log()}
+        assert routine in called and not ({"syevd", "XsyevBatched"} - {routine}) & called
+
+
 @pytest.mark.parametrize("n", [5, 40])
 def test_batched_eigh_unbatched_and_lower_triangle(backend: Backend, n: int) -> None:
     a = _spd_batch(1, n, torch.float64)[0]

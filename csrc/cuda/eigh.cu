@@ -58,9 +58,17 @@ namespace {
 
 // syevjBatched accepts any n (cuSOLVER documents no size limit for it); its cost
 // grows much faster with n than syevd's, so above some n the other routines are
-// faster. 32 is that knee as an estimate, not a measured value: a GPU benchmark
-// sets KAISA_SYEVJ_MAX_N (see syevj_max_n) to find it.
+// faster. 32 is that knee, measured on an H100 (batches of 64: syevj fastest up to
+// n = 32, XsyevBatched from n = 48; bench/bench_kernels_gpu.py's test_syevj_knee);
+// KAISA_SYEVJ_MAX_N (see syevj_max_n) overrides it.
 constexpr int64_t kSyevjMaxN = 32;
+// XsyevBatched's time hardly grows with the batch, one syevd per matrix's grows linearly.
+// Measured on an H100 (bench/results/gpu-nvidia-h100-80gb-hbm3-2026-11-27.json): for
+// n >= 576, batches of 3-6 took 1.4-2.5x as long in XsyevBatched as one syevd per
+// matrix (torch.linalg.eigh), a batch of 14 at n = 1024 2.4x less; for n <= 512 it won
+// at every batch timed. So a batch of fewer than 8 matrices above n = 512 goes to syevd.
+constexpr int64_t kXsyevLargeN = 512;
+constexpr int64_t kXsyevMinBatchLarge = 8;
 constexpr int kMaxSyevdStreams = 4;    // streams for the per-matrix fallback
 constexpr cusolverEigMode_t kJobz = CUSOLVER_EIG_MODE_VECTOR;
 // Column-major upper == row-major lower (torch.linalg.eigh's default UPLO).
@@ -128,7 +136,8 @@ EighImpl choose_impl(int64_t batch, int64_t n) {
   if (req == EighImpl::kSyevd) return req;
   if (req == EighImpl::kXsyevBatched && xsyev) return req;
   if (syevj) return EighImpl::kSyevj;
-  if (batch > 1 && xsyev) return EighImpl::kXsyevBatched;
+  const bool few_large = n > kXsyevLargeN && batch < kXsyevMinBatchLarge;
+  if (batch > 1 && xsyev && !few_large) return EighImpl::kXsyevBatched;
   return EighImpl::kSyevd;
 }
 
