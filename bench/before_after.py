@@ -37,7 +37,10 @@ _WORKER = textwrap.dedent(
     import json, sys, time
     import torch, torch.nn.functional as F
     import kaisa
-    from kaisa import models
+    try:
+        from kaisa.train import models
+    except ImportError:  # a baseline from before the model zoo moved under the app
+        from kaisa import models
     torch.set_num_threads(int(sys.argv[1]))
     name = sys.argv[2]
     setups = {

@@ -5,7 +5,7 @@ same batches. The 1797 8x8 digits (embedded in scikit-learn, no download) are sp
 by the seed into 1437 training and 360 validation images (stratified), upsampled
 bilinearly to 32x32, repeated over 3 channels and normalised by the training set's
 mean and standard deviation: ResNet-32 (He et al. 2016, option-A shortcuts,
-``kaisa.models.resnet32``) then runs at CIFAR-10's shapes and cost. A training batch is
+``kaisa.train.models.resnet32``) then runs at CIFAR-10's shapes and cost. A training batch is
 a function of (seed, step) (``--batch`` images drawn without replacement). Validation
 loss (cross-entropy) and accuracy on the 360 images (BatchNorm in eval mode) every
 ``--eval-every`` steps, against step and against training seconds (evaluation
@@ -57,8 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kaisa.models import resnet32
 from kaisa.train.data import load_digits
+from kaisa.train.models import resnet32
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import Recipe, Task, compare

@@ -1,7 +1,7 @@
 """Distributed K-FAC benchmark: KAISA strategies on CPU/gloo with ResNet-32 shapes.
 
 For 1, 2 and 4 ranks (spawned processes, gloo on 127.0.0.1, one thread per rank) it
-trains a CIFAR ResNet-32 (``kaisa.models.resnet32``, 32x32 synthetic inputs, a small
+trains a CIFAR ResNet-32 (``kaisa.train.models.resnet32``, 32x32 synthetic inputs, a small
 batch per rank) wrapped in DistributedDataParallel with K-FAC (eigen, factors every step,
 decompositions every ``--inv-update-steps`` steps) under each strategy, and reports per
 configuration:
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import kaisa
-from kaisa import models
+from kaisa.train import models
 
 CONFIGS: dict[int, list[dict[str, Any]]] = {
     1: [dict(name="single", strategy="comm_opt")],

@@ -1,6 +1,6 @@
 """DDP vs FSDP2 under K-FAC: per-rank memory, step time and communication, 1/2/4 gloo ranks.
 
-The byte-level GPT of ``kaisa.models`` (tied embedding and head, pre-norm Transformer
+The byte-level GPT of ``kaisa.train.models`` (tied embedding and head, pre-norm Transformer
 blocks; ``layer_kinds="all"``: attention, feed-forward, embedding and LayerNorm blocks)
 trains with ``kaisa.KFACPreconditioner`` + SGD (momentum 0.9) on random bytes, float32,
 on 1, 2 and 4 spawned CPU processes (gloo on 127.0.0.1, one thread each). Four
@@ -78,7 +78,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import kaisa
-from kaisa.models import GPT
+from kaisa.train.models import GPT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = (("ddp", "mem_opt"), ("ddp", "comm_opt"), ("fsdp2", "mem_opt"), ("fsdp2", "comm_opt"))
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"world {world}: {time.perf_counter() - start:.1f}s", flush=True)
     results = {
         "benchmark": "fsdp_memory",
-        "model": "kaisa.models.GPT (byte vocabulary, tied embedding/head), float32",
+        "model": "kaisa.train.models.GPT (byte vocabulary, tied embedding/head), float32",
         "settings": {**size, "smoke": args.smoke, "threads_per_rank": 1, "backend": "gloo",
                      "layer_kinds": "all", "optimizer": "SGD momentum 0.9",
                      "decompositions": "first step only (untimed)"},

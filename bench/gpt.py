@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kaisa.models.gpt import gpt
+from kaisa.train.models.gpt import gpt
 from kaisa.train.text import load_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

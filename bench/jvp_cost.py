@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import kaisa
-from kaisa import models
+from kaisa.train import models
 
 ROOT = Path(__file__).resolve().parent.parent
 

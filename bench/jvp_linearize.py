@@ -47,11 +47,11 @@ from torch import nn
 from torch.func import functional_call, jvp, linearize, vmap
 
 import kaisa
-from kaisa import models
-from kaisa.models.gpt import gpt
 from kaisa.profiling import PhaseProfile
 from kaisa.quadratic import ForwardLinearization
 from kaisa.replay import RandomState, replayed
+from kaisa.train import models
+from kaisa.train.models.gpt import gpt
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Task = tuple[nn.Module, torch.Tensor, torch.Tensor, str]

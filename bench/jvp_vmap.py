@@ -23,9 +23,9 @@ import torch.autograd.forward_ad as fwad
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
-from kaisa import models
-from kaisa.models.gpt import gpt
 from kaisa.replay import RandomState, replayed
+from kaisa.train import models
+from kaisa.train.models.gpt import gpt
 
 
 def _task(name: str) -> tuple[nn.Module, torch.Tensor]:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import kaisa
-from kaisa.models.mlp import autoencoder
 from kaisa.train.data import load_digits
+from kaisa.train.models.mlp import autoencoder
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

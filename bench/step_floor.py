@@ -51,9 +51,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kaisa import models
-from kaisa.models.gpt import gpt
 from kaisa.ops._shifted import supports_shifted
+from kaisa.train import models
+from kaisa.train.models.gpt import gpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_cost_report import TARGETS

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
-from kaisa import models, ops
+from kaisa import ops
+from kaisa.train import models
 
 
 def _setups() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:

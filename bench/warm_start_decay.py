@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 import kaisa
-from kaisa.models import autoencoder
+from kaisa.train.models import autoencoder
 
 
 def run(decay: float | Callable[[int], float], fus: int, ius: int, seed: int, epochs: int,

@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kaisa.models import resnet32
+from kaisa.train.models import resnet32
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """A transformer under torch.distributed: 2 and 4 gloo ranks equal one process.
 
-The model is the project's byte-level GPT (:mod:`kaisa.models.gpt`) at a tiny size in
+The model is the project's byte-level GPT (:mod:`kaisa.train.models.gpt`) at a tiny size in
 float64: an ``nn.Embedding`` tied to the ``Linear`` head, learned positions, norm-first
 ``nn.TransformerEncoderLayer`` blocks under a causal mask (dropout 0) and a final
 LayerNorm. Both products run with ``layer_kinds="all"``, so every block kind kaisa
@@ -42,8 +42,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import kaisa
-from kaisa.models.gpt import GPT
 from kaisa.train.distributed import DistContext, data_parallel
+from kaisa.train.models.gpt import GPT
 from tests.support.dist import run_distributed
 
 VOCAB, D_MODEL, LAYERS, HEADS, CONTEXT = 13, 8, 2, 2, 6

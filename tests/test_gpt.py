@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisa.models import build_model
-from kaisa.models.gpt import gpt
 from kaisa.train import text
 from kaisa.train.cli import main
+from kaisa.train.models import build_model
+from kaisa.train.models.gpt import gpt
 from tests.support.bench import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -135,8 +135,8 @@ def test_clamped_momentum_is_the_models_minimiser_along_the_direction() -> None:
 
 def test_kfac_defaults_on_a_small_gpt_stay_finite_and_bounded() -> None:
     """Defaults on the byte-level GPT over the stdlib text: no NaN, momentum in [0, 1]."""
-    from kaisa.models.gpt import GPT
     from kaisa.train import text
+    from kaisa.train.models.gpt import GPT
 
     train, _ = text.split(text.load_corpus(max_bytes=1 << 18))
     torch.manual_seed(0)

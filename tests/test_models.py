@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-import kaisa.models as models
+import kaisa.train.models as models
 
 
 @pytest.mark.parametrize("name", models.MODELS)

@@ -297,7 +297,7 @@ def test_g_passes_differentiate_only_the_hooked_outputs(curvature: str) -> None:
     # G's backward passes ask for the gradients of the outputs the forward hooked, not the
     # parameters': the weight gradients are computed once (the loss's pass), and every
     # factor, direction and update equals the passes over the parameters bit for bit.
-    from kaisa.models.gpt import gpt
+    from kaisa.train.models.gpt import gpt
 
     def build() -> nn.Module:
         torch.manual_seed(0)

@@ -9,8 +9,8 @@ import torch
 
 import kaisa
 from kaisa import profiling
-from kaisa.models import autoencoder
 from kaisa.profiling import PhaseProfile, phase, timed
+from kaisa.train.models import autoencoder
 
 
 def test_phase_is_a_shared_no_op_without_a_profile() -> None:

@@ -47,10 +47,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
-from kaisa.models import autoencoder
-from kaisa.models.gpt import gpt
-from kaisa.models.resnet import resnet20
-from kaisa.models.resnet_imagenet import resnet50
+from kaisa.train.models import autoencoder
+from kaisa.train.models.gpt import gpt
+from kaisa.train.models.resnet import resnet20
+from kaisa.train.models.resnet_imagenet import resnet50
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-from kaisa.models import MODELS, TEXT_MODELS
 from kaisa.train.argtypes import finite, int_from, kl_clip
 from kaisa.train.data import DATASETS
+from kaisa.train.models import MODELS, TEXT_MODELS
 from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_worker_fraction
 from kaisa.train.text import add_arguments as add_lm_arguments
 

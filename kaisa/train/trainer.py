@@ -18,13 +18,13 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 from tqdm import tqdm
 
-from kaisa.models import build_model, gpt
 from kaisa.train import checkpoint, sharded
 from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
 from kaisa.train.distributed import DistContext, all_reduce_sum, data_parallel
 from kaisa.train.evaluation import epoch_record, loss_fn
 from kaisa.train.files import deferred_interrupt
+from kaisa.train.models import build_model, gpt
 from kaisa.train.optim import (
     OWN_CURVATURE,
     build_kfac,

@@ -1,6 +1,7 @@
-"""Model zoo for the ``kaisa-train`` app and the benchmarks.
+"""Model zoo of the ``kaisa-train`` app, also used by the benchmarks and the tests.
 
-Every model is built from ``nn.Linear``/``nn.Conv2d`` layers that a K-FAC
+It needs only torch (not the app's ``train`` extra), and the ``kaisa`` library never
+imports it. Every model is built from ``nn.Linear``/``nn.Conv2d`` layers that a K-FAC
 preconditioner can precondition. Use the factory functions directly
 (``resnet32(num_classes=10)``) or :func:`build_model` by name.
 """
@@ -11,12 +12,12 @@ from collections.abc import Callable
 
 from torch import nn
 
-from kaisa.models.cnn import SmallCNN, cnn
-from kaisa.models.gpt import GPT, gpt
-from kaisa.models.mlp import MLP, Autoencoder, autoencoder, mlp
-from kaisa.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
-from kaisa.models.resnet_imagenet import Bottleneck, ResNet50, resnet50
-from kaisa.models.transformer import PatchTransformer, SelfAttention, transformer
+from kaisa.train.models.cnn import SmallCNN, cnn
+from kaisa.train.models.gpt import GPT, gpt
+from kaisa.train.models.mlp import MLP, Autoencoder, autoencoder, mlp
+from kaisa.train.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
+from kaisa.train.models.resnet_imagenet import Bottleneck, ResNet50, resnet50
+from kaisa.train.models.transformer import PatchTransformer, SelfAttention, transformer
 
 __all__ = [
     "GPT",
