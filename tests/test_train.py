@@ -51,6 +51,51 @@ def test_cifar10_reader_and_missing_layout(tmp_path: Path) -> None:
     assert loaded.train_y.tolist()[:4] == [1, 2, 3, 4]
 
 
+class _RunsACommand:
+    """A pickle payload that would run ``touch <path>`` when unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.path}",))
+
+
+def _cifar_folder(tmp_path: Path, first: bytes) -> Path:
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name in data.CIFAR_FILES:
+        batch = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": [1, 2, 3, 4]}
+        (folder / name).write_bytes(first if name == "data_batch_1" else pickle.dumps(batch, 2))
+    return folder
+
+
+def test_cifar10_reads_python_2_pickles(tmp_path: Path) -> None:
+    batch = {b"data": np.zeros((4, 3072), dtype=np.uint8), b"labels": [0, 1, 2, 3],
+             b"batch_label": b"training batch 1 of 5", b"filenames": [b"a.png"] * 4}
+    _cifar_folder(tmp_path, pickle.dumps(batch, protocol=2))
+    assert data.load_cifar10(tmp_path).train_x.shape == (20, 3, 32, 32)
+
+
+def test_a_crafted_cifar10_file_is_refused_unexecuted(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    crafted = pickle.dumps({b"data": _RunsACommand(marker), b"labels": [0]})
+    _cifar_folder(tmp_path, crafted)
+    with pytest.raises(data.DatasetError, match=r"refused to load (posix|os|nt)\.system"):
+        data.load_cifar10(tmp_path)
+    assert not marker.exists(), "the crafted pickle ran its command"
+
+
+@pytest.mark.parametrize("payload", [b"not a pickle", pickle.dumps([1, 2, 3]),
+                                     pickle.dumps({b"data": np.zeros((2, 3072), np.uint8),
+                                                   b"labels": [0]})])
+def test_a_malformed_cifar10_file_is_one_error(tmp_path: Path, payload: bytes) -> None:
+    _cifar_folder(tmp_path, payload)
+    with pytest.raises(data.DatasetError, match="cannot read CIFAR-10 batches"):
+        data.load_cifar10(tmp_path)
+
+
 def test_synthetic_and_augment_shapes() -> None:
     synthetic = data.make_synthetic(train_size=8, test_size=2, image_size=16)
     assert synthetic.train_x.shape == (8, 3, 16, 16) and synthetic.test_y.shape == (2,)

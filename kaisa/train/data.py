@@ -105,11 +105,36 @@ def cifar_layout_message(data_dir: Path) -> str:
     )
 
 
+_CIFAR_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+    ("_codecs", "encode"),
+})
+"""The only globals CIFAR-10's batches (a dict of bytes, lists and uint8 numpy arrays,
+pickled by Python 2 or 3) need; anything else in a batch file is refused unexecuted."""
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """A pickle reader that resolves only :data:`_CIFAR_GLOBALS`."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) in _CIFAR_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"refused to load {module}.{name}: a CIFAR-10 batch holds only numpy arrays, "
+            "bytes and lists")
+
+
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     with path.open("rb") as handle:
-        batch = pickle.load(handle, encoding="bytes")
+        batch = _CifarUnpickler(handle, encoding="bytes").load()
+    if not isinstance(batch, dict):
+        raise ValueError(f"{path.name} is not a CIFAR-10 batch (a {type(batch).__name__})")
     data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
     labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    if labels.shape != (data.shape[0],):
+        raise ValueError(f"{path.name}: {data.shape[0]} images but {labels.size} labels")
     return data, labels
 
 
@@ -135,7 +160,7 @@ def load_cifar10(data_dir: str | Path) -> Dataset:
     try:
         train = [_read_cifar_batch(candidate / f"data_batch_{i}") for i in range(1, 6)]
         test_x, test_y = _read_cifar_batch(candidate / "test_batch")
-    except (OSError, KeyError, ValueError, pickle.UnpicklingError) as error:
+    except (OSError, KeyError, ValueError, TypeError, EOFError, pickle.UnpicklingError) as error:
         raise DatasetError(f"cannot read CIFAR-10 batches in {candidate}: {error}") from error
     mean = torch.tensor(_CIFAR_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(_CIFAR_STD).view(1, 3, 1, 1)
