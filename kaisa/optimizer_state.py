@@ -89,6 +89,10 @@ def checked(
     ):
         raise ValueError(f"state_dict damping must be a finite number > 0, got {damping!r}")
     preconditioner = extra["preconditioner"]
+    inner = check_count("preconditioner steps", preconditioner.get("steps"))
+    if inner != steps:
+        raise ValueError(f"state_dict preconditioner steps ({inner}) differ from its steps "
+                         f"({steps})")
     schedules.check_state_dict(preconditioner)
     layers = preconditioner.get("layers")
     if layers is not None:

@@ -104,6 +104,12 @@ KFAC_CORRUPT: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
                       "state_dict damping must be a finite number > 0, got 'abc'"),
     "damping -1": (lambda s: s["kaisa"].__setitem__("damping", -1.0), "damping"),
     "steps '5'": (lambda s: s["kaisa"].__setitem__("steps", "5"), "steps.*'5'"),
+    "preconditioner steps '5'": (
+        lambda s: s["kaisa"]["preconditioner"].__setitem__("steps", "5"),
+        "preconditioner steps must be an integer >= 0, got '5'"),
+    "preconditioner steps differ": (
+        lambda s: s["kaisa"]["preconditioner"].__setitem__("steps", 7),
+        r"preconditioner steps \(7\) differ"),
     "NaN running factor": (lambda s: _nan_factor(s["kaisa"]["preconditioner"]),
                            "layer '0': A is not finite"),
     "factor_decay 2": (lambda s: s["kaisa"]["preconditioner"].__setitem__("factor_decay", 2.0),
