@@ -24,8 +24,8 @@ from torch import nn
 from torch.func import functional_call, jvp, vmap
 
 from kaisa import models
+from kaisa.kfac.replay import RandomState, replayed
 from kaisa.models.gpt import gpt
-from kaisa.replay import RandomState, replayed
 
 
 def _task(name: str) -> tuple[nn.Module, torch.Tensor]:

@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kaisa
 from kaisa import models
 from kaisa.models.gpt import gpt
-from kaisa.profiling import phase
+from kaisa.utils.profiling import phase
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

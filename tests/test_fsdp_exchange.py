@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import kaisa
 from kaisa.distributed import LocalCommunicator
-from kaisa.shards import local_rows, row_sources, rows_on
+from kaisa.utils.shards import local_rows, row_sources, rows_on
 from tests.support.dist import run_distributed
 from tests.test_fsdp import Net, _data
 

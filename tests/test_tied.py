@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import kaisa
 from kaisa.blocks import TiedEmbeddingBlock
-from kaisa.enums import Side
-from kaisa.kronecker import balanced_kronecker
+from kaisa.blocks.kronecker import balanced_kronecker
+from kaisa.utils.enums import Side
 
 DT = torch.float64
 

@@ -29,7 +29,7 @@ from kaisa.blocks.linear import LinearBlock
 from kaisa.blocks.preconditioned import Preconditioned
 from kaisa.blocks.scale_shift import ScaleShiftBlock
 from kaisa.blocks.tied import TiedEmbeddingBlock, tied_heads
-from kaisa.enums import KFACApprox
+from kaisa.utils.enums import KFACApprox
 
 __all__ = [
     "BLOCK_KINDS",

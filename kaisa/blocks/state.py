@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kaisa.enums import KFACApprox, Side
-from kaisa.finite import all_finite
+from kaisa.utils.enums import KFACApprox, Side
+from kaisa.utils.finite import all_finite
 
 __all__ = ["BatchStatistics", "BlockOptions", "RunningFactors", "tensor_bytes"]
 

@@ -26,8 +26,8 @@ from fractions import Fraction
 
 from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.strategy import WorkerGrid, valid_fractions
-from kaisa.enums import AssignmentStrategy, ComputeMethod, Side, parse_enum
 from kaisa.methods import DENSE, Diagonal, SecondOrderMethod, make_method
+from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, Side, parse_enum
 
 __all__ = [
     "LARGE_FACTOR_DIM",

@@ -2,18 +2,18 @@
 
 Adding a method (e.g. eigenvalue-corrected K-FAC) is one new module implementing
 :class:`~kaisa.methods.base.SecondOrderMethod` plus one line in :data:`METHODS` (and its
-:class:`~kaisa.enums.ComputeMethod` member).
+:class:`~kaisa.utils.enums.ComputeMethod` member).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kaisa.enums import ComputeMethod
 from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
 from kaisa.methods.eigen import EigenMethod
 from kaisa.methods.eigen_adam import EigenAdamMethod
 from kaisa.methods.inverse import InverseMethod, PiInverseMethod
+from kaisa.utils.enums import ComputeMethod
 
 __all__ = [
     "DENSE",

@@ -35,8 +35,8 @@ from typing import TypeAlias
 
 import torch
 
-from kaisa.enums import Side
-from kaisa.finite import all_finite
+from kaisa.utils.enums import Side
+from kaisa.utils.finite import all_finite
 
 logger = logging.getLogger("kaisa")
 

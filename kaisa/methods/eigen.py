@@ -18,10 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kaisa import linalg, ops
-from kaisa.dtypes import working_dtype
-from kaisa.enums import Side
+from kaisa import ops
+from kaisa.methods import linalg
 from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.enums import Side
 
 __all__ = ["EigenMethod"]
 
@@ -62,7 +63,7 @@ class EigenMethod(SecondOrderMethod):
     ) -> list[Payload | None]:
         """Warm-started bases: one subspace-iteration step from the stored eigenvectors.
 
-        :func:`kaisa.linalg.warm_eigen_decompositions` (``eigh`` where none is stored or the
+        :func:`kaisa.methods.linalg.warm_eigen_decompositions` (``eigh`` where none is stored or the
         step is not finite); the eigenvalues are the estimates ``diag(Q0^T F Q0)``.
         """
         results = linalg.warm_eigen_decompositions(

@@ -1,7 +1,7 @@
 """Inverse method: damped inverses of the factors (kfac-pytorch's INVERSE).
 
 Each factor ``F`` is sent as ``[(F + damping I)^-1]`` (Cholesky, with the float64 retry
-ladder of :func:`kaisa.linalg.damped_inverses`); preconditioning is
+ladder of :func:`kaisa.methods.linalg.damped_inverses`); preconditioning is
 ``G_inv @ grad @ A_inv``. The inverses are symmetric, so ``symmetry_aware`` sends their
 upper triangles only. A diagonal factor ``a`` is sent as ``[1 / (a + damping)]`` and
 scales the gradient's columns (A) or rows (G).
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kaisa import linalg
-from kaisa.dtypes import working_dtype
-from kaisa.enums import Side
+from kaisa.methods import linalg
 from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.enums import Side
 
 __all__ = ["InverseMethod", "PiInverseMethod"]
 

@@ -321,7 +321,7 @@ def eigh_checks_finite(a: torch.Tensor) -> bool:
     (``csrc/SCHEMAS.md``), so a caller's own check would only add a second
     synchronisation. The CPU kernel and the reference make no such promise. Where it is
     true, :func:`eigh_status` runs the same kernel without the synchronisation (its
-    status covers ``info`` and finiteness), which :mod:`kaisa.linalg` uses to read a
+    status covers ``info`` and finiteness), which :mod:`kaisa.methods.linalg` uses to read a
     whole decomposition round's statuses at once.
 
     Args:

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kaisa.dtypes import working_dtype
+from kaisa.utils.dtypes import working_dtype
 
 __all__ = [
     "conv_covariance",

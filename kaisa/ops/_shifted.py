@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kaisa.dtypes import working_dtype
+from kaisa.utils.dtypes import working_dtype
 
 __all__ = ["conv_covariance_shifted", "supports_shifted"]
 

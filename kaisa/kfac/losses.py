@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kaisa.enums import LossKind, Reduction, parse_enum
+from kaisa.utils.enums import LossKind, Reduction, parse_enum
 
 __all__ = ["LOSSES", "CrossEntropyLoss", "Loss", "LossKind", "MSELoss", "Reduction", "Share"]
 

@@ -1,7 +1,7 @@
 """kfac-pytorch's ``kfac.scheduler.LambdaParamScheduler``, for a one-line switch.
 
 ``from kfac.scheduler import LambdaParamScheduler`` becomes
-``from kaisa.scheduler import LambdaParamScheduler``; arguments and behaviour are the
+``from kaisa.preconditioner.scheduler import LambdaParamScheduler``; arguments and behaviour are the
 same: every :meth:`LambdaParamScheduler.step` multiplies each scheduled hyperparameter by
 its lambda evaluated at the preconditioner's step count (integers are truncated after the
 multiplication, as kfac-pytorch does).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kaisa.preconditioner import KFACPreconditioner
+from kaisa.preconditioner.preconditioner import KFACPreconditioner
 
 __all__ = ["LambdaParamScheduler"]
 

@@ -6,7 +6,7 @@ enums. The preconditioner's signature repeats the fields only to stay a drop-in
 replacement; a test checks that the two agree.
 
 Hyperparameters given as callables of the step are checked when evaluated
-(:func:`kaisa.hyperparams.scheduled_int`, :func:`kaisa.hyperparams.scheduled_float`).
+(:func:`kaisa.utils.hyperparams.scheduled_int`, :func:`kaisa.utils.hyperparams.scheduled_float`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from kaisa.dtypes import working_dtype
-from kaisa.enums import (
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.enums import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
@@ -27,7 +27,7 @@ from kaisa.enums import (
     parse_enum,
     parse_grad_worker_fraction,
 )
-from kaisa.hyperparams import Schedule, check_bounded, check_float, check_int
+from kaisa.utils.hyperparams import Schedule, check_bounded, check_float, check_int
 
 __all__ = ["HYPERPARAMETERS", "REFERENCE_KINDS", "DistributedConfig", "KFACConfig"]
 

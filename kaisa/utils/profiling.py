@@ -15,7 +15,7 @@ a trace). Host seconds: on CUDA a phase's time is its launches unless something 
 synchronises. One profile at a time, on the thread that runs the step (autograd's
 backward on CPU runs hooks on the calling thread).
 
-    with kaisa.profiling.PhaseProfile() as profile:
+    with kaisa.utils.profiling.PhaseProfile() as profile:
         optimizer.step(closure)
     profile.seconds  # {("forward",): ..., ("backward", "factors"): ..., ...}
 """
