@@ -146,7 +146,7 @@ def build_scheduler(
 
 def parse_worker_fraction(text: str) -> Any:
     """Parse ``--kfac-grad-worker-fraction``: a strategy name, ``auto`` or a float in (0, 1]."""
-    from kaisa.utils.enums import parse_grad_worker_fraction
+    from kaisa.enums import parse_grad_worker_fraction
 
     try:
         return parse_grad_worker_fraction(float(text))
