@@ -6,7 +6,8 @@ enums. The preconditioner's signature repeats the fields only to stay a drop-in
 replacement; a test checks that the two agree.
 
 Hyperparameters given as callables of the step are checked when evaluated
-(:func:`kaisa.utils.hyperparams.scheduled_int`, :func:`kaisa.utils.hyperparams.scheduled_float`).
+(:func:`~kaisa.utils.hyperparams.scheduled_int`,
+:func:`~kaisa.utils.hyperparams.scheduled_float`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kaisa.distributed.config import DistributedConfig
 from kaisa.utils.dtypes import working_dtype
 from kaisa.utils.enums import (
     AssignmentStrategy,
@@ -29,7 +31,7 @@ from kaisa.utils.enums import (
 )
 from kaisa.utils.hyperparams import Schedule, check_bounded, check_float, check_int
 
-__all__ = ["HYPERPARAMETERS", "REFERENCE_KINDS", "DistributedConfig", "KFACConfig"]
+__all__ = ["HYPERPARAMETERS", "REFERENCE_KINDS", "KFACConfig"]
 
 #: kfac-pytorch's layer kinds: ``KFACPreconditioner``'s default.
 REFERENCE_KINDS = ("linear", "conv2d")
@@ -240,38 +242,6 @@ class KFACConfig:
         shared = {f.name: getattr(self, f.name) for f in fields(DistributedConfig)}
         shared["factor_dtype"] = self.factor_dtype or working_dtype(weight_dtype)
         return DistributedConfig(**shared)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DistributedConfig:
-    """What :class:`~kaisa.distributed.DistributedEngine` is given.
-
-    KAISA's strategy and the communication settings, already validated by
-    :class:`KFACConfig`.
-
-    Attributes:
-        grad_worker_fraction: A :class:`DistributedStrategy`, a float or ``'auto'``.
-        memory_budget_mb: The budget of ``'auto'``.
-        assignment_strategy: Cost model for placing decompositions.
-        colocate_factors: Whether the A and G decompositions of a block share a rank.
-        symmetry_aware: Whether symmetric matrices are sent as upper triangles.
-        allreduce_bucket_cap_mb: Fusion bucket capacity.
-        collective_timeout: Seconds a collective may wait, ``None`` for the group's.
-        factor_dtype: The factors' dtype (resolved, for the memory model).
-        inv_dtype: The decompositions' dtype (payloads are sent in it).
-        loglevel: Logging level of the placement report.
-    """
-
-    grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT
-    memory_budget_mb: float | None = None
-    assignment_strategy: AssignmentStrategy = AssignmentStrategy.COMPUTE
-    colocate_factors: bool = True
-    symmetry_aware: bool = False
-    allreduce_bucket_cap_mb: float = 25.0
-    collective_timeout: float | None = None
-    factor_dtype: torch.dtype = torch.float32
-    inv_dtype: torch.dtype = torch.float32
-    loglevel: int = logging.DEBUG
 
 
 def _parse_layer_kinds(value: object) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from typing import TypeAlias
 import torch
 
 from kaisa.blocks import CurvatureBlock
-from kaisa.core.config import DistributedConfig
+from kaisa.distributed.config import DistributedConfig
 from kaisa.distributed.packing import pack_symmetric, unpack_symmetric
 from kaisa.distributed.placement import Placement
 from kaisa.methods import Damping, Payload, SecondOrderMethod

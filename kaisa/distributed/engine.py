@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
-from kaisa.core.config import DistributedConfig
 from kaisa.distributed.averaging import FactorAverages
+from kaisa.distributed.config import DistributedConfig
 from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
 from kaisa.distributed.fsdp import ShardedBlocks
 from kaisa.distributed.memory import (

@@ -2,7 +2,9 @@
 
 Adding a method (e.g. eigenvalue-corrected K-FAC) is one new module implementing
 :class:`~kaisa.methods.base.SecondOrderMethod` plus one line in :data:`METHODS` (and its
-:class:`~kaisa.utils.enums.ComputeMethod` member).
+:class:`~kaisa.utils.enums.ComputeMethod` member). The decomposition ladder they share
+(:mod:`kaisa.methods.linalg`: eigendecompositions and damped inverses batched by size,
+the float64 retry and the keep-previous fallback, warm-started eigenbases) is here too.
 """
 
 from __future__ import annotations
