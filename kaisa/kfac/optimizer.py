@@ -5,9 +5,9 @@ Martens & Grosse 2015 and kfac-jax's adaptive optimizer, on the curvature core
 is a list of named phases: loss and curvature (G from sampled targets or the true loss),
 direction (the preconditioned gradient), coefficients (the quadratic model,
 :mod:`kaisa.kfac.quadratic`, or fixed ``lr``/``momentum``), apply, adapt damping (the
-Levenberg-Marquardt rule). ``docs/architecture.md`` ("One ``KFAC`` step") has the math
-and the cost; losses are :mod:`kaisa.kfac.losses`, loss scaling :mod:`kaisa.kfac.amp`, the
-configuration :class:`~kaisa.kfac.config.KFACOptimizerConfig`.
+Levenberg-Marquardt rule). ``docs/conventions.md`` ("The adaptive step of
+``kaisa.KFAC``") has the math and the cost; losses are :mod:`kaisa.kfac.losses`, loss
+scaling :mod:`kaisa.kfac.amp`, the configuration :class:`~kaisa.kfac.config.KFACOptimizerConfig`.
 
 In distributed runs (gradients averaged by DDP) the few scalars of the quadratic model
 and of the LM rule are averaged over ranks, so every rank takes the same step.
