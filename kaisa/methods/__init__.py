@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
+from kaisa.methods.base import DENSE, Batch, Damping, Diagonal, Payload, SecondOrderMethod, State
 from kaisa.methods.eigen import EigenMethod
 from kaisa.methods.eigen_adam import EigenAdamMethod
 from kaisa.methods.inverse import InverseMethod, PiInverseMethod
@@ -20,6 +20,7 @@ from kaisa.utils.enums import ComputeMethod
 __all__ = [
     "DENSE",
     "METHODS",
+    "Batch",
     "Damping",
     "Diagonal",
     "EigenAdamMethod",
