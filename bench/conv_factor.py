@@ -36,6 +36,7 @@ import torch
 
 import kaisa.ops as ops
 from kaisa.ops import _reference as ref
+from kaisa.ops._checks import ConvArgs
 from kaisa.ops._shifted import conv_covariance_shifted
 
 #: (channels, side, stride-1 3x3 layers of that shape in ResNet-32).
@@ -52,7 +53,8 @@ def methods(x: torch.Tensor, scale: float) -> dict[str, Callable[[], torch.Tenso
         return out
 
     def unfold_covariance() -> torch.Tensor:
-        patches = ref.conv_patches(x, (3, 3), (1, 1), (1, 1), (1, 1), 1, False)[0]
+        conv = ConvArgs((3, 3), (1, 1), (1, 1), (1, 1), 1)
+        patches = ref.conv_patches(x, conv, False)[0]
         return ops.covariance(patches, scale).unsqueeze(0)
 
     return {

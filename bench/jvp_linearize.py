@@ -11,7 +11,7 @@ iteration, median milliseconds of:
 * ``kfac_step``: a whole ``kaisa.KFAC`` adaptive step (defaults) on the same model and
   batch, and its ``jacobian_vector_products`` phase (the denominator of the projections);
 * ``forward_no_grad``: a plain forward pass (what any linearize must still run once);
-* ``two_dual_passes``: today's :class:`kaisa.quadratic.ForwardLinearization`, two vectors;
+* ``two_dual_passes``: today's :class:`kaisa.kfac.quadratic.ForwardLinearization`, two vectors;
 * ``func_linearize``: ``torch.func.linearize`` (``make_fx`` trace of the dual forward,
   constant folding) plus its linear map on both vectors, inside the same replay context;
   re-traced every step because the parameters (folded into the graph as constants) change;
@@ -47,11 +47,11 @@ from torch import nn
 from torch.func import functional_call, jvp, linearize, vmap
 
 import kaisa
-from kaisa.profiling import PhaseProfile
-from kaisa.quadratic import ForwardLinearization
-from kaisa.replay import RandomState, replayed
+from kaisa.kfac.quadratic import ForwardLinearization
+from kaisa.kfac.replay import RandomState, replayed
 from kaisa.train import models
 from kaisa.train.models.gpt import gpt
+from kaisa.utils.profiling import PhaseProfile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Task = tuple[nn.Module, torch.Tensor, torch.Tensor, str]

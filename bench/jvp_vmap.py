@@ -23,7 +23,7 @@ import torch.autograd.forward_ad as fwad
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
-from kaisa.replay import RandomState, replayed
+from kaisa.kfac.replay import RandomState, replayed
 from kaisa.train import models
 from kaisa.train.models.gpt import gpt
 

@@ -7,7 +7,7 @@ models of ``bench/step_cost.py`` after two steps (ResNet-32 at batch 128, the by
 at ``bench/gpt.py``'s size; eigen method, ``dgda`` stored), one thread, interleaved rounds:
 
 * ``engine``: the core's whole preconditioning
-  (:meth:`kaisa.curvature.KFACCurvature.precondition`: gradient matrices, the engine);
+  (:meth:`kaisa.core.curvature.KFACCurvature.precondition`: gradient matrices, the engine);
 * ``per block``: one op call per block on the same gradient matrices (what the engine
   does for each);
 * ``batched, stacks kept``: one call per shape group, the decompositions stacked once

@@ -25,7 +25,7 @@ factors, ``I`` inverses/eigenbases, ``D`` the LM damping rule); the per-step cos
 ``sum over labels of (the label's share of steps in one full schedule period) x (median
 time of the timed steps with that label)``: an amortised median (ratio of these against
 the baseline's median in the same run). Each step runs inside a
-:class:`kaisa.profiling.PhaseProfile`; the phase split is amortised the same way, phase
+:class:`kaisa.utils.profiling.PhaseProfile`; the phase split is amortised the same way, phase
 by phase. Memory: after timing, ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` (tensors of 64 KiB
 and more get and return their own pages) and, per step, after ``malloc_trim(0)`` (the
 heap's free memory back to the system), the peak resident set size
@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 import kaisa
-from kaisa.profiling import PhaseProfile, phase
+from kaisa.utils.profiling import PhaseProfile, phase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_cost_report import CATEGORIES, categorise, plot, table

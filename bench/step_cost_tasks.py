@@ -19,9 +19,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kaisa
-from kaisa.profiling import phase
 from kaisa.train import models
 from kaisa.train.models.gpt import gpt
+from kaisa.utils.profiling import phase
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kaisa.ops._checks import ConvArgs
 from kaisa.ops._shifted import supports_shifted
 from kaisa.train import models
 from kaisa.train.models.gpt import gpt
@@ -172,7 +173,7 @@ def shapes(task: str, smoke: bool) -> Shapes:
             args = (m.kernel_size, m.stride, m.padding, m.dilation, m.groups)
             shifts = ((2 * m.kernel_size[0] - 1) * (2 * m.kernel_size[1] - 1) + 1) // 2
             cpu = (2 * shifts * c * c * batch * h * w
-                   if supports_shifted(inp[0].expand(batch, -1, -1, -1), *args)  # type: ignore[arg-type]
+                   if supports_shifted(inp[0].expand(batch, -1, -1, -1), ConvArgs(*args))  # type: ignore[arg-type]
                    else 2 * rows * a * a)
             blocks.append(Block(rows, a, m.out_channels, True, cpu))
         elif isinstance(m, nn.Linear):

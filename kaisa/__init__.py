@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from kaisa import checkpoint, ops
 from kaisa.blocks import KFACLayer
-from kaisa.config import KFACConfig
+from kaisa.core import KFACConfig
 from kaisa.ekfac import EKFAC, BasisRefresh
-from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
-from kaisa.optimizer import KFAC, Curvature
-from kaisa.optimizer_config import JacobianMethod
-from kaisa.preconditioner import KFACPreconditioner
-from kaisa.scheduler import LambdaParamScheduler
+from kaisa.kfac import KFAC, Curvature, JacobianMethod
+from kaisa.preconditioner import KFACPreconditioner, LambdaParamScheduler
+from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 
 __all__ = [
     "EKFAC",

@@ -1,6 +1,6 @@
 """Call sites: a block observed through several modules, or through functional calls.
 
-The recorder (:mod:`kaisa.hooks`) is driven directly with small test kinds: a Linear
+The recorder (:mod:`kaisa.core.hooks`) is driven directly with small test kinds: a Linear
 weight shared by two modules (one block, told which module each use came from), and
 rows of a weight that a parent module multiplies by with ``F.linear`` in its forward.
 """
@@ -16,8 +16,8 @@ from torch import nn
 
 import kaisa
 from kaisa.blocks import LinearBlock
-from kaisa.callsites import CallSite
-from kaisa.hooks import StatisticsRecorder
+from kaisa.blocks.callsites import CallSite
+from kaisa.core.hooks import StatisticsRecorder
 from tests.support.explicit import linear_g_batch, rows_a
 
 pytestmark = pytest.mark.usefixtures("float64")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import kaisa
-from kaisa.config import KFACConfig
+from kaisa.core.config import KFACConfig
 
 
 def test_constructor_signature_is_the_config() -> None:

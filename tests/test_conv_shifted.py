@@ -12,6 +12,7 @@ import torch
 import kaisa.ops as ops
 from kaisa.ops import _reference as ref
 from kaisa.ops import _shifted
+from kaisa.ops._checks import ConvArgs
 from kaisa.ops._shifted import conv_covariance_shifted, supports_shifted
 
 HAS_EXT = ops.extension_available()
@@ -97,14 +98,15 @@ def test_supports(shape: tuple[int, ...], kernel: tuple[int, int], stride: tuple
                   dilation: tuple[int, int], groups: int, dtype: torch.dtype, device: str,
                   expected: bool) -> None:
     x = torch.empty(*shape, dtype=dtype, device=device)
-    assert supports_shifted(x, kernel, stride, (1, 1), dilation, groups) is expected
-    assert not supports_shifted(x[:0], kernel, stride, (1, 1), dilation, groups)
+    conv = ConvArgs(kernel, stride, (1, 1), dilation, groups)
+    assert supports_shifted(x, conv) is expected
+    assert not supports_shifted(x[:0], conv)
 
 
 def test_positions_count_the_padding() -> None:
     x = torch.empty(64, 8, 8, 8)  # 4096 output positions with padding 1, 2304 without
-    assert supports_shifted(x, (3, 3), (1, 1), (1, 1), (1, 1), 1)
-    assert not supports_shifted(x, (3, 3), (1, 1), (0, 0), (1, 1), 1)
+    assert supports_shifted(x, ConvArgs((3, 3), (1, 1), (1, 1), (1, 1), 1))
+    assert not supports_shifted(x, ConvArgs((3, 3), (1, 1), (0, 0), (1, 1), 1))
 
 
 @pytest.mark.skipif(not HAS_EXT, reason="kaisa._C extension not available")

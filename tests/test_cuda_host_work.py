@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kaisa.ops as ops
-from kaisa import linalg
+from kaisa.methods import linalg
 from kaisa.ops import _reference as ref
 from tests.support.backends import Backend
 from tests.test_cuda_ops import _assert_close_rel, _check_eigh, _rand, _runs, _spd_batch
@@ -38,7 +38,7 @@ def _emulated_only(backend: Backend) -> None:
 
 
 # --------------------------------------------------------------------------- #
-# batched_eigh: one host synchronisation, and kaisa.linalg adds none
+# batched_eigh: one host synchronisation, and kaisa.methods.linalg adds none
 # --------------------------------------------------------------------------- #
 
 
@@ -82,7 +82,7 @@ def test_eigen_decompositions_synchronise_once_per_round(
 ) -> None:
     """Three size groups, one host synchronisation: every group's status is read at once.
 
-    The op's own finiteness check is the only one: kaisa.linalg does not repeat it.
+    The op's own finiteness check is the only one: kaisa.methods.linalg does not repeat it.
     """
     host = _round_factors(dtype)
     factors = [backend.to_device(f) for f in host]
@@ -165,7 +165,7 @@ def test_eigen_decompositions_still_isolate_a_failing_factor(backend: Backend) -
 
 
 def test_only_the_cuda_kernel_promises_finite_eigh_results() -> None:
-    """Elsewhere kaisa.linalg checks the results itself."""
+    """Elsewhere kaisa.methods.linalg checks the results itself."""
     a = _spd_batch(2, 6, torch.float64)
     for name in ops.BACKENDS:
         with ops.use_backend(name):

@@ -1,4 +1,4 @@
-"""The curvature core (kaisa.curvature.KFACCurvature): explicit phases, no write-back."""
+"""The curvature core (kaisa.core.curvature.KFACCurvature): explicit phases, no write-back."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
-from kaisa.config import KFACConfig
-from kaisa.curvature import KFACCurvature
+from kaisa.core.config import KFACConfig
+from kaisa.core.curvature import KFACCurvature
 from tests.support.explicit import kron_solve
 
 pytestmark = pytest.mark.usefixtures("float64")

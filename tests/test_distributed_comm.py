@@ -192,9 +192,13 @@ def test_local_communicator_is_noop() -> None:
     t = torch.randn(4, 4)
     assert comm.allreduce_mean(t, symmetric=True).wait() is t
     assert comm.reduce_mean(t, 0, symmetric=True).wait() is t
-    with pytest.raises(ValueError, match="dst must be 0"):
+    with pytest.raises(ValueError, match="reduce destination 1 is not a rank < 1"):
         comm.reduce_mean(t, 1)
     assert comm.broadcast(t, 0, [0]).wait() is t
+    with pytest.raises(ValueError, match="rank 0 only"):
+        comm.broadcast(t, 0, [0, 1])
+    with pytest.raises(ValueError, match="source 1 is not in group"):
+        comm.broadcast(t, 1, [0])
     comm.flush()
     comm.wait_all()
     assert comm.stats.bytes_sent == {}

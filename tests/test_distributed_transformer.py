@@ -26,7 +26,7 @@ step itself, ``>= 1e-4`` here (asserted: every parameter moves by more than that
 Measured: at most 4.7e-13 absolute (parameters of size ~1), 0.5% of the tolerance, on 2
 and on 4 ranks. Every rank must hold bit-identical parameters. ``kaisa.KFAC``'s
 Monte-Carlo targets are equal too because each rank keeps its rows of the global batch's
-draw (``kaisa.losses.Share``); with every rank drawing from the same stream, as before,
+draw (``kaisa.kfac.losses.Share``); with every rank drawing from the same stream, as before,
 the 2-rank run differed from one process by 12% after one step.
 """
 

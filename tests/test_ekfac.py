@@ -17,9 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
-from kaisa import linalg
-from kaisa.enums import Side
-from kaisa.methods import EigenAdamMethod, EigenMethod
+from kaisa.methods import EigenAdamMethod, EigenMethod, linalg
+from kaisa.utils.enums import Side
 
 pytestmark = pytest.mark.usefixtures("float64")
 

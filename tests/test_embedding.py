@@ -23,11 +23,11 @@ from torch import nn
 
 import kaisa
 from kaisa.blocks import EmbeddingBlock, register_blocks
-from kaisa.config import KFACConfig
+from kaisa.core.config import KFACConfig
 from kaisa.distributed import DistributedEngine, factor_cost, place_layers
 from kaisa.distributed.strategy import WorkerGrid
-from kaisa.enums import Side
 from kaisa.methods import make_method
+from kaisa.utils.enums import Side
 from tests.support.dist import run_distributed
 from tests.support.explicit import kron_solve
 from tests.support.fakes import FakeCommunicator

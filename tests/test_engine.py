@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kaisa.blocks import CurvatureBlock, register_blocks
-from kaisa.config import KFACConfig
+from kaisa.core.config import KFACConfig
 from kaisa.distributed import DistributedEngine, LocalCommunicator
 from kaisa.methods import SecondOrderMethod, make_method
 from tests.support.explicit import kron_solve

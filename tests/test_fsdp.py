@@ -47,7 +47,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import kaisa
-from kaisa.shards import local_rows
+from kaisa.utils.shards import local_rows
 from tests.support.dist import run_distributed
 from tests.test_distributed_transformer import _batch, _gpt
 

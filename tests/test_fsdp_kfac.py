@@ -4,12 +4,12 @@ The setting of ``tests/test_fsdp.py`` (float64, ``fully_shard`` on each layer an
 root, uneven shards; the reference is the unsharded model in one process on the global
 batch) for the adaptive optimizer: the loss is a mean over each rank's share and FSDP2
 averages the gradients, which is the global batch's gradient; the Monte-Carlo targets
-are each rank's share of the one process's draw (``kaisa.losses.Share``). What FSDP2
+are each rank's share of the one process's draw (``kaisa.kfac.losses.Share``). What FSDP2
 changes and every step checks: the preconditioned direction and the velocity are
 ``DTensor`` objects with each rank's rows; the quadratic model's dot products sum the
-shards over ranks, once per shard on an HSDP mesh (:func:`kaisa.quadratic.gram`); its
+shards over ranks, once per shard on an HSDP mesh (:func:`kaisa.kfac.quadratic.gram`); its
 ``J v`` replays the forward pass with dual parameters installed inside each unit
-(:mod:`kaisa.fsdp_tangents`), which gathers one unit's tangents at a time; and after a
+(:mod:`kaisa.distributed.fsdp_tangents`), which gathers one unit's tangents at a time; and after a
 replay every unit is sharded again (otherwise the next forward would read stale
 parameters). The chosen lr, momentum and damping of every step and the parameters must
 equal the one process's (``rtol=1e-8``, as the other distributed tests; a shard counted

@@ -1,4 +1,4 @@
-"""Unit tests of the decomposition ladder (kaisa.linalg): batching and float64 retries."""
+"""Unit tests of the decomposition ladder (kaisa.methods.linalg): batching and float64 retries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import logging
 import pytest
 import torch
 
-from kaisa import linalg, ops
+from kaisa import ops
+from kaisa.methods import linalg
 
 
 def _spd(blocks: int, n: int) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
-from kaisa.quadratic import ForwardLinearization, Linearization
-from kaisa.replay import RandomState, replayed
+from kaisa.kfac.quadratic import ForwardLinearization, Linearization
+from kaisa.kfac.replay import RandomState, replayed
 
 
 def _stochastic_net() -> nn.Module:
@@ -118,7 +118,7 @@ def test_app_trains_the_transformer_with_kfac(tmp_path: Path) -> None:
 
 
 def test_clamped_momentum_is_the_models_minimiser_along_the_direction() -> None:
-    from kaisa import quadratic
+    from kaisa.kfac import quadratic
 
     quad = torch.tensor([[2.0, 1.5], [1.5, 2.0]], dtype=torch.float64)
     for lin, want_mu in (([1.0, -3.0], 1.0), ([-1.0, 2.0], 0.0), ([1.0, 0.5], None)):

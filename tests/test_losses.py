@@ -1,4 +1,4 @@
-"""kaisa.losses: the targets' shape rules (docs/reliability.md), the type-2 factors."""
+"""kaisa.kfac.losses: the targets' shape rules (docs/reliability.md), the type-2 factors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
-from kaisa.losses import Loss
+from kaisa.kfac.losses import Loss
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -111,7 +111,7 @@ def test_ranks_shares_of_the_draw_make_up_one_process_sample(kind: str) -> None:
     for rank in range(world):
         gen = _gen()
         mine = outputs[2 * rank : 2 * rank + 2]
-        parts.append(loss.sample_targets(mine, gen, kaisa.losses.Share(rank, world)))
+        parts.append(loss.sample_targets(mine, gen, kaisa.kfac.losses.Share(rank, world)))
         states.append(gen.get_state())
     assert torch.equal(torch.cat(parts), whole)
     assert all(torch.equal(s, whole_gen.get_state()) for s in states)
@@ -119,18 +119,18 @@ def test_ranks_shares_of_the_draw_make_up_one_process_sample(kind: str) -> None:
 
 def test_ranks_with_the_same_outputs_draw_different_noise() -> None:
     outputs = torch.zeros(5, 3)
-    a = Loss.of("mse").sample_targets(outputs, _gen(), kaisa.losses.Share(0, 2))
-    b = Loss.of("mse").sample_targets(outputs, _gen(), kaisa.losses.Share(1, 2))
+    a = Loss.of("mse").sample_targets(outputs, _gen(), kaisa.kfac.losses.Share(0, 2))
+    b = Loss.of("mse").sample_targets(outputs, _gen(), kaisa.kfac.losses.Share(1, 2))
     noise = torch.randn(10, 3, generator=_gen()) * 0.5**0.5  # the global draw, written out
     torch.testing.assert_close(a, noise[:5], rtol=0, atol=0)
     torch.testing.assert_close(b, noise[5:], rtol=0, atol=0)
     logits = torch.zeros(200, 10)  # uniform: equal classes would mean shared noise
-    ca = Loss.of("cross_entropy").sample_targets(logits, _gen(), kaisa.losses.Share(0, 2))
-    cb = Loss.of("cross_entropy").sample_targets(logits, _gen(), kaisa.losses.Share(1, 2))
+    ca = Loss.of("cross_entropy").sample_targets(logits, _gen(), kaisa.kfac.losses.Share(0, 2))
+    cb = Loss.of("cross_entropy").sample_targets(logits, _gen(), kaisa.kfac.losses.Share(1, 2))
     assert (ca == cb).float().mean() < 0.3
 
 
 @pytest.mark.parametrize(("index", "count"), [(2, 2), (-1, 2), (0, 0), (0.5, 2)])
 def test_a_share_outside_the_world_is_refused(index: object, count: object) -> None:
     with pytest.raises(ValueError, match="0 <= index < count"):
-        kaisa.losses.Share(index, count)  # type: ignore[arg-type]
+        kaisa.kfac.losses.Share(index, count)  # type: ignore[arg-type]

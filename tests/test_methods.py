@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kaisa.distributed import decomposition_numel
-from kaisa.enums import ComputeMethod, Side
 from kaisa.methods import METHODS, EigenMethod, InverseMethod, PiInverseMethod, make_method
+from kaisa.utils.enums import ComputeMethod, Side
 from tests.support.explicit import kron_solve
 
 pytestmark = pytest.mark.usefixtures("float64")

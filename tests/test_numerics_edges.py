@@ -70,7 +70,7 @@ def test_finite_factor_near_float32_max_is_folded() -> None:
 
 def test_finite_preconditioned_gradient_with_huge_entries_is_written() -> None:
     from kaisa.blocks import Preconditioned
-    from kaisa.clipping import write_preconditioned
+    from kaisa.core.clipping import write_preconditioned
 
     model = nn.Linear(3, 2, bias=False)
     pre = kaisa.KFACPreconditioner(model, kl_clip=None)
@@ -108,7 +108,7 @@ def test_finite_factor_whose_float32_sum_overflows_is_folded(backend: str, bias:
     """
     if backend == "ext" and not kaisa.ops.extension_available():
         pytest.skip("extension not built")
-    from kaisa import factors
+    from kaisa.blocks import factors
 
     geometry = factors.ConvGeometry((3, 3), (1, 1), (1, 1), 1, (1, 1, 1, 1))
     grouped = factors.ConvGeometry((1, 1), (1, 1), (1, 1), 2, (0, 0, 0, 0))

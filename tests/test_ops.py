@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import kaisa.ops as ops
 from kaisa.ops import _reference as ref
+from kaisa.ops._checks import ConvArgs
 from tests.support.cases import CONV_OP_CASES
 
 HAS_EXT = ops.extension_available()
@@ -108,7 +109,7 @@ def test_reference_conv_patches_match_explicit_loops(case: Any, bias: bool) -> N
     shape, k, s, p, d, g = case
     x = torch.randn(*shape, dtype=torch.float64)
     expected = _explicit_patches(x, k, s, p, d, g, bias)
-    got = ref.conv_patches(x, k, s, p, d, g, bias)
+    got = ref.conv_patches(x, ConvArgs(k, s, p, d, g), bias)
     assert torch.equal(got, expected)
     cov = ref.conv_covariance(x, k, s, p, d, g, bias, 0.5)
     torch.testing.assert_close(
@@ -122,7 +123,7 @@ def test_reference_conv_patches_column_order_matches_weight_view() -> None:
     x = torch.randn(2, 4, 7, 6, dtype=torch.float64)
     w = torch.randn(6, 2, 3, 2, dtype=torch.float64)
     y = F.conv2d(x, w, stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=2)
-    p = ref.conv_patches(x, (3, 2), (2, 1), (1, 1), (1, 2), 2, False)
+    p = ref.conv_patches(x, ConvArgs((3, 2), (2, 1), (1, 1), (1, 2), 2), False)
     for g in range(2):
         wg = w[3 * g : 3 * (g + 1)].reshape(3, -1)
         yg = y[:, 3 * g : 3 * (g + 1)].permute(0, 2, 3, 1).reshape(-1, 3)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
-from kaisa.losses import Loss
-from kaisa.optimizer import lm_damping
+from kaisa.kfac.losses import Loss
+from kaisa.kfac.optimizer import lm_damping
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -87,7 +87,7 @@ def _flat_jacobian(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def _explicit_hessian(loss: Loss, outputs: torch.Tensor) -> torch.Tensor:
     k = outputs.numel()
-    if loss.kind is kaisa.losses.LossKind.MSE:
+    if loss.kind is kaisa.kfac.losses.LossKind.MSE:
         return 2.0 * loss.scale(outputs) * torch.eye(k)
     p = torch.softmax(outputs, dim=-1)
     blocks = [torch.diag(pi) - torch.outer(pi, pi) for pi in p]
@@ -334,7 +334,7 @@ def test_g_passes_differentiate_only_the_hooked_outputs(curvature: str) -> None:
 def test_upstream_edges_are_those_no_other_precedes() -> None:
     from torch.autograd.graph import get_gradient_edge
 
-    from kaisa.fisher import upstream
+    from kaisa.kfac.fisher import upstream
 
     w = torch.randn(3, 3, requires_grad=True)
     h = torch.ones(2, 3) @ w

@@ -305,7 +305,7 @@ def test_type2_with_a_power_of_two_loss_scale_changes_nothing() -> None:
 
 
 def test_type2_above_its_column_limit_raises_and_records_nothing() -> None:
-    from kaisa.optimizer_config import TYPE2_MAX_COLUMNS
+    from kaisa.kfac.config import TYPE2_MAX_COLUMNS
 
     classes = TYPE2_MAX_COLUMNS + 1
     model, x = _one_layer(classes)

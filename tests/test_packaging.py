@@ -73,3 +73,33 @@ def test_source_tree_shadowing_the_installed_package_says_why_and_what_to_do(
     warning = " ".join(res.stderr.split())
     assert "shadows the installed kaisa at" in warning and str(installed) in warning, warning
     assert "run from another directory" in warning and "-e ." in warning, warning
+
+
+
+#: The top-level modules besides ``__init__`` and ``layers`` (the former name of
+#: ``kaisa.blocks``): import paths users' code and the docs name, each re-exporting the
+#: public names of the module they live in now.
+_SHIMS = {
+    "kaisa.config": "kaisa.core.config",
+    "kaisa.enums": "kaisa.utils.enums",
+    "kaisa.hyperparams": "kaisa.utils.hyperparams",
+    "kaisa.losses": "kaisa.kfac.losses",
+    "kaisa.profiling": "kaisa.utils.profiling",
+    "kaisa.scheduler": "kaisa.preconditioner.scheduler",
+}
+
+
+def test_old_import_paths_re_export_the_same_objects() -> None:
+    import importlib
+
+    import kaisa
+    import kaisa.layers
+
+    top = {p.stem for p in Path(kaisa.__file__).parent.glob("*.py")}
+    assert top == {"__init__", "layers"} | {name.split(".")[1] for name in _SHIMS}
+    for shim_name, home_name in _SHIMS.items():
+        shim, home = importlib.import_module(shim_name), importlib.import_module(home_name)
+        for name in home.__all__:
+            assert getattr(shim, name) is getattr(home, name), (shim_name, name)
+    assert kaisa.layers.KFACLayer is kaisa.KFACLayer
+    assert kaisa.checkpoint.save is importlib.import_module("kaisa.checkpoint.dcp").save

@@ -1,4 +1,4 @@
-"""kaisa.profiling: timed regions, and the opt-in profile of exclusive seconds by phase."""
+"""kaisa.utils.profiling: timed regions, and the opt-in profile of exclusive seconds by phase."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import kaisa
-from kaisa import profiling
-from kaisa.profiling import PhaseProfile, phase, timed
 from kaisa.train.models import autoencoder
+from kaisa.utils import profiling
+from kaisa.utils.profiling import PhaseProfile, phase, timed
 
 
 def test_phase_is_a_shared_no_op_without_a_profile() -> None:

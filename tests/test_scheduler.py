@@ -1,4 +1,4 @@
-"""kaisa.scheduler.LambdaParamScheduler behaves like kfac-pytorch's."""
+"""kaisa.preconditioner.scheduler.LambdaParamScheduler behaves like kfac-pytorch's."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 import kaisa
-from kaisa.scheduler import LambdaParamScheduler
+from kaisa.preconditioner.scheduler import LambdaParamScheduler
 
 
 def test_lambdas_multiply_the_current_values_at_the_preconditioner_step() -> None:

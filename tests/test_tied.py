@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import kaisa
 from kaisa.blocks import TiedEmbeddingBlock
-from kaisa.enums import Side
-from kaisa.kronecker import balanced_kronecker
+from kaisa.blocks.kronecker import balanced_kronecker
+from kaisa.utils.enums import Side
 
 DT = torch.float64
 
@@ -242,7 +242,7 @@ def test_the_tied_block_is_the_balanced_kronecker_product_of_both_uses(in_hook: 
 
 
 def test_a_vocabulary_above_the_dense_bound_is_diagonal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kaisa.distributed.memory.LARGE_FACTOR_DIM", V - 1)
+    monkeypatch.setattr("kaisa.blocks.tied.LARGE_FACTOR_DIM", V - 1)
     torch.manual_seed(0)
     model = _TiedLM().double()
     pre = kaisa.KFACPreconditioner(model, factor_decay=RHO, inv_dtype=DT,

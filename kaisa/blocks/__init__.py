@@ -3,7 +3,11 @@
 Each kind is a subclass for one module type (or a few). Adding a kind (Embedding, ...) is
 one new module plus one entry in :data:`BLOCK_KINDS`. A kind may make several named blocks
 of one module (:meth:`~kaisa.blocks.base.CurvatureBlock.build`: an
-``nn.MultiheadAttention`` gives its in- and out-projections).
+``nn.MultiheadAttention`` gives its in- and out-projections). The package also owns what
+the blocks compute with: the per-batch factors of each layer kind
+(:mod:`kaisa.blocks.factors`), where a block is observed (:mod:`kaisa.blocks.callsites`:
+module hooks, or the ``F.linear`` calls inside a module's forward) and the balanced
+Kronecker product of a tied parameter's uses (:mod:`kaisa.blocks.kronecker`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kaisa.blocks.linear import LinearBlock
 from kaisa.blocks.preconditioned import Preconditioned
 from kaisa.blocks.scale_shift import ScaleShiftBlock
 from kaisa.blocks.tied import TiedEmbeddingBlock, tied_heads
-from kaisa.enums import KFACApprox
+from kaisa.utils.enums import KFACApprox
 
 __all__ = [
     "BLOCK_KINDS",

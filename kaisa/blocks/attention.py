@@ -2,7 +2,7 @@
 
 MHA multiplies by its weights inside ``F.multi_head_attention_forward`` without calling
 its ``out_proj`` module, so its blocks are observed through functional call sites
-(:mod:`kaisa.callsites`): the ``F.linear`` calls made while the MHA's forward runs. The
+(:mod:`kaisa.blocks.callsites`): the ``F.linear`` calls made while the MHA's forward runs. The
 blocks of one MHA named ``<mha>`` (``docs/conventions.md``, "``nn.MultiheadAttention``
 blocks"):
 
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from kaisa.blocks.base import BlockOptions, CurvatureBlock
+from kaisa.blocks.callsites import CallSite
 from kaisa.blocks.linear import LinearBlock
-from kaisa.callsites import CallSite
-from kaisa.enums import KFACApprox
+from kaisa.utils.enums import KFACApprox
 
 __all__ = ["AttentionBlock", "cross_attention_modules"]
 

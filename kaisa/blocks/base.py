@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from kaisa.blocks.callsites import CallSite
 from kaisa.blocks.state import BatchStatistics, BlockOptions, RunningFactors, tensor_bytes
-from kaisa.callsites import CallSite
-from kaisa.dtypes import working_dtype
-from kaisa.enums import KFACApprox, Side
-from kaisa.finite import all_finite
-from kaisa.shards import held_parts, is_sharded, rows_of
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.enums import KFACApprox, Side
+from kaisa.utils.finite import all_finite
+from kaisa.utils.shards import held_parts, is_sharded, rows_of
 
 if TYPE_CHECKING:
     from kaisa.methods import SecondOrderMethod
@@ -72,7 +72,7 @@ class CurvatureBlock:
 
     #: The module type this kind handles (set by each block kind).
     module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Module
-    #: The kind's name in :meth:`kaisa.curvature.KFACCurvature.coverage`.
+    #: The kind's name in :meth:`kaisa.core.curvature.KFACCurvature.coverage`.
     kind: ClassVar[str] = "block"
     #: Diagonal curvature (no Kronecker factors, no decomposition): preconditioned on
     #: every rank by :meth:`precondition_diagonal`.
@@ -134,7 +134,7 @@ class CurvatureBlock:
         """Where the recorder observes the block, in order: by default its module's calls.
 
         The recorder gives :meth:`record_input` and :meth:`record_output_grad` the index
-        of the site each observation came from (see :mod:`kaisa.callsites`).
+        of the site each observation came from (see :mod:`kaisa.blocks.callsites`).
         """
         return (CallSite(self.module),)
 
@@ -330,7 +330,7 @@ class CurvatureBlock:
         """Copies a ``(groups, out/groups, n)`` matrix into the parameters' ``.grad``.
 
         For a block whose parameters FSDP2 shards (:meth:`sharded`), ``matrix`` is the
-        rows this rank holds, flat (:func:`kaisa.shards.take_held`), as the core's entries
+        rows this rank holds, flat (:func:`kaisa.utils.shards.take_held`), as the core's entries
         carry them.
         """
         assert self.weight.grad is not None
@@ -340,10 +340,10 @@ class CurvatureBlock:
                 rows_of(p.grad, p, rows).copy_(part)
 
     def parts(self, matrix: torch.Tensor) -> list[torch.Tensor]:
-        """One tensor per parameter, what :func:`kaisa.shards.rows_of` this rank writes.
+        """One tensor per parameter, what :func:`kaisa.utils.shards.rows_of` this rank writes.
 
         :meth:`split` of a full matrix; for a sharded block, of the held rows
-        (:func:`kaisa.shards.take_held`): the rows of each parameter this rank's shard holds.
+        (:func:`kaisa.utils.shards.take_held`): the rows of each parameter this rank's shard holds.
         """
         if self.sharded():
             return held_parts(matrix, self.parameters(), self.row_slices())

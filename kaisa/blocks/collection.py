@@ -1,7 +1,7 @@
 """What a model's blocks hold together: their checkpoint check, memory and skip counts.
 
 Functions over ``{name: block}`` (model order) that the curvature core
-(:class:`kaisa.curvature.KFACCurvature`) reports through its own methods.
+(:class:`kaisa.core.curvature.KFACCurvature`) reports through its own methods.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kaisa import factors
+from kaisa.blocks import factors
 from kaisa.blocks.base import CurvatureBlock
 
 __all__ = ["Conv1dBlock", "Conv2dBlock"]

@@ -16,10 +16,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kaisa import factors
+from kaisa.blocks import factors
 from kaisa.blocks.base import CurvatureBlock
-from kaisa.dtypes import working_dtype
-from kaisa.enums import Side
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.enums import Side
 
 __all__ = ["EmbeddingBlock"]
 

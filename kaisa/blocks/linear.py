@@ -7,9 +7,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kaisa import factors
+from kaisa.blocks import factors
 from kaisa.blocks.base import CurvatureBlock
-from kaisa.enums import KFACApprox
+from kaisa.utils.enums import KFACApprox
 
 __all__ = ["LinearBlock"]
 

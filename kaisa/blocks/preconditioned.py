@@ -22,7 +22,7 @@ class Preconditioned:
         valid: For a gradient received from another rank, a 0-d bool tensor saying
             whether the sender had a result; ``None`` for one computed here.
         inner: For a block FSDP2 shards, whose ``grad`` and ``direction`` are only the
-            rows this rank holds (:func:`~kaisa.shards.take_held`): the
+            rows this rank holds (:func:`~kaisa.utils.shards.take_held`): the
             whole block's ``<direction, grad>`` (float64, 0-d); ``None`` otherwise.
         finite: For such a block, whether the whole ``direction`` is finite (0-d bool).
     """

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kaisa.blocks.base import CurvatureBlock
-from kaisa.enums import Side
+from kaisa.utils.enums import Side
 
 __all__ = ["ScaleShiftBlock"]
 

@@ -15,10 +15,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kaisa.enums import KFACApprox, Side
-from kaisa.finite import all_finite
+from kaisa.utils.enums import KFACApprox, Side
+from kaisa.utils.finite import all_finite
 
-__all__ = ["BatchStatistics", "BlockOptions", "RunningFactors", "tensor_bytes"]
+__all__ = [
+    "LARGE_FACTOR_DIM", "BatchStatistics", "BlockOptions", "RunningFactors", "tensor_bytes",
+]
+
+#: Dense factors larger than this (per side) are reported at registration: their
+#: decomposition dominates a step (8193 x 8193 is ~5 TFLOP per eigendecomposition).
+#: A diagonal factor of any size is not.
+LARGE_FACTOR_DIM = 8192
 
 
 @dataclass

@@ -15,8 +15,8 @@ They are averaged over micro-batches and ranks as stacks ``(uses, ...)``, then
 :meth:`TiedEmbeddingBlock.combine` makes the block's batch factors, the pi-balanced sum
 of the uses' factors, a Kronecker product with at least the curvature of
 ``sum_u w_u A_u (x) G_u`` in every direction (``w_u`` the uses' shares of the rows;
-:func:`kaisa.kronecker.balanced_kronecker`). The vocabulary side is dense up to
-:data:`~kaisa.distributed.memory.LARGE_FACTOR_DIM` and diagonal above it (the head's ``A_h``
+:func:`kaisa.blocks.kronecker.balanced_kronecker`). The vocabulary side is dense up to
+:data:`~kaisa.blocks.state.LARGE_FACTOR_DIM` and diagonal above it (the head's ``A_h``
 is then its diagonal). The head's bias is not tied and stays first-order.
 """
 
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kaisa import factors
+from kaisa.blocks import factors
+from kaisa.blocks.callsites import CallSite
 from kaisa.blocks.embedding import EmbeddingBlock
-from kaisa.blocks.state import BatchStatistics, tensor_bytes
-from kaisa.callsites import CallSite
-from kaisa.enums import KFACApprox, Side
-from kaisa.kronecker import balanced_kronecker
+from kaisa.blocks.kronecker import balanced_kronecker
+from kaisa.blocks.state import LARGE_FACTOR_DIM, BatchStatistics, tensor_bytes
+from kaisa.utils.enums import KFACApprox, Side
 
 __all__ = ["TiedEmbeddingBlock", "UseStatistics", "tied_heads"]
 
@@ -115,8 +115,6 @@ class TiedEmbeddingBlock(EmbeddingBlock):
 
     def setup(self) -> None:
         """The vocabulary side is dense up to ``LARGE_FACTOR_DIM``, diagonal above."""
-        from kaisa.distributed.memory import LARGE_FACTOR_DIM
-
         dense = self.dims[0] <= LARGE_FACTOR_DIM
         self.diagonal_sides = frozenset() if dense else frozenset({Side.A})
 

@@ -1,5 +1,14 @@
-"""Distributed K-FAC: KAISA strategies, placement, fused communication and the engine."""
+"""Distributed K-FAC: one engine for every world size, which moves payloads it never reads.
 
+The engine (:mod:`kaisa.distributed.engine`, given a :class:`DistributedConfig`) with the
+KAISA strategies, the placement and the per-rank memory model; factor averaging, the
+decompositions' broadcasts and, under FSDP2, the blocks preconditioned one at a time
+(:mod:`kaisa.distributed.fsdp`); the communicators behind one protocol (a single
+process's, and fused asynchronous buckets on ``torch.distributed``); and ``J v``'s dual
+parameters inside FSDP2's units (:mod:`kaisa.distributed.fsdp_tangents`).
+"""
+
+from kaisa.distributed.config import DistributedConfig
 from kaisa.distributed.engine import BlockRule, DistributedEngine
 from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.memory import (
@@ -31,6 +40,7 @@ __all__ = [
     "CommHandle",
     "CommStats",
     "Communicator",
+    "DistributedConfig",
     "DistributedEngine",
     "DistributedStrategy",
     "FactorSize",

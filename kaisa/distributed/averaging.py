@@ -20,7 +20,7 @@ import torch
 from kaisa.blocks import CurvatureBlock
 from kaisa.distributed.placement import Placement
 from kaisa.distributed.protocol import CommHandle, Communicator
-from kaisa.enums import Side
+from kaisa.utils.enums import Side
 
 __all__ = ["FactorAverages"]
 

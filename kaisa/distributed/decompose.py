@@ -16,11 +16,11 @@ from typing import TypeAlias
 import torch
 
 from kaisa.blocks import CurvatureBlock
-from kaisa.config import DistributedConfig
+from kaisa.distributed.config import DistributedConfig
 from kaisa.distributed.packing import pack_symmetric, unpack_symmetric
 from kaisa.distributed.placement import Placement
-from kaisa.enums import Side
 from kaisa.methods import Damping, Payload, SecondOrderMethod
+from kaisa.utils.enums import Side
 
 __all__ = ["FactorKey", "as_received", "decompose_assigned", "payload"]
 

@@ -18,7 +18,7 @@ code runs with no communication. At fixed points of a step it
 
 It moves payloads; the math is the second-order method's
 (:class:`~kaisa.methods.SecondOrderMethod`), the statistics are the hooks'
-(:mod:`kaisa.hooks`). A block's diagonal sides
+(:mod:`kaisa.core.hooks`). A block's diagonal sides
 (:attr:`~kaisa.blocks.CurvatureBlock.diagonal_sides`) travel as vectors (never packed as
 triangles), and the method is told which sides are diagonal at every call.
 """
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
-from kaisa.config import DistributedConfig
 from kaisa.distributed.averaging import FactorAverages
+from kaisa.distributed.config import DistributedConfig
 from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
 from kaisa.distributed.fsdp import ShardedBlocks
 from kaisa.distributed.memory import (
@@ -51,10 +51,10 @@ from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.protocol import CommHandle, Communicator
 from kaisa.distributed.strategy import WorkerGrid, resolve_grad_workers, valid_fractions
 from kaisa.distributed.torch_comm import make_communicator
-from kaisa.enums import Side
-from kaisa.finite import all_finite
 from kaisa.methods import Payload, SecondOrderMethod
-from kaisa.profiling import timed
+from kaisa.utils.enums import Side
+from kaisa.utils.finite import all_finite
+from kaisa.utils.profiling import timed
 
 __all__ = ["BlockRule", "DistributedEngine"]
 

@@ -1,7 +1,7 @@
 """K-FAC over a model sharded by FSDP2: each block's gradient to its workers, each rank its rows.
 
 Under ``fully_shard`` the gradients are ``DTensor`` objects sharded on dim 0
-(:mod:`kaisa.shards`). A step preconditions the blocks in the groups :func:`rounds`
+(:mod:`kaisa.utils.shards`). A step preconditions the blocks in the groups :func:`rounds`
 gives: all at once for an unsharded model (the engine fuses their broadcasts), one block
 at a time for a sharded one. For a sharded block :class:`ShardedBlocks`
 
@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.distributed.placement import Placement
 from kaisa.distributed.protocol import Communicator
-from kaisa.finite import all_finite
-from kaisa.shards import row_sources, rows_by_rank, take_held
+from kaisa.utils.finite import all_finite
+from kaisa.utils.shards import row_sources, rows_by_rank, take_held
 
 __all__ = ["ShardedBlocks", "rounds"]
 

@@ -22,8 +22,8 @@ import torch
 from kaisa.blocks import CurvatureBlock
 from kaisa.distributed.engine import DistributedEngine
 from kaisa.distributed.protocol import CommHandle
-from kaisa.enums import Side
 from kaisa.methods import SecondOrderMethod
+from kaisa.utils.enums import Side
 
 __all__ = ["gather_decompositions", "gather_factors"]
 

@@ -24,10 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from kaisa.blocks.state import LARGE_FACTOR_DIM
 from kaisa.distributed.placement import Placement, place_layers
 from kaisa.distributed.strategy import WorkerGrid, valid_fractions
-from kaisa.enums import AssignmentStrategy, ComputeMethod, Side, parse_enum
 from kaisa.methods import DENSE, Diagonal, SecondOrderMethod, make_method
+from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, Side, parse_enum
 
 __all__ = [
     "LARGE_FACTOR_DIM",
@@ -41,12 +42,6 @@ __all__ = [
 ]
 
 _MB = 1024 * 1024
-
-#: Dense factors larger than this (per side) are reported at registration: their
-#: decomposition dominates a step (8193 x 8193 is ~5 TFLOP per eigendecomposition).
-#: A diagonal factor of any size is not.
-LARGE_FACTOR_DIM = 8192
-
 
 @dataclass(frozen=True)
 class FactorSize:

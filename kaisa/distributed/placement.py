@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kaisa.distributed.strategy import WorkerGrid
-from kaisa.enums import AssignmentStrategy, Side, parse_enum
+from kaisa.utils.enums import AssignmentStrategy, Side, parse_enum
 
 __all__ = ["LayerPlacement", "Placement", "factor_cost", "place_layers"]
 

@@ -1,8 +1,11 @@
-"""The collective operations the K-FAC engine uses, as a protocol.
+"""The collective operations the K-FAC engine uses, as an abstract base class.
 
-Two implementations: :class:`~kaisa.distributed.local.LocalCommunicator` (one process)
-and :class:`~kaisa.distributed.torch_comm.TorchDistCommunicator` (``torch.distributed``,
-fused asynchronous buckets). Tests use fakes that implement the same protocol.
+:class:`Communicator`'s public methods state the contract and check their arguments once;
+an implementation starts the checked collectives (:meth:`Communicator._collective`,
+:meth:`Communicator._all_to_all`). Two implementations:
+:class:`~kaisa.distributed.local.LocalCommunicator` (one process) and
+:class:`~kaisa.distributed.torch_comm.TorchDistCommunicator` (``torch.distributed``, fused
+asynchronous buckets). Tests' fakes provide the same public methods.
 
 Bucket contract: buckets close when full or on :meth:`Communicator.flush` (waiting on a
 tensor whose bucket is still open flushes all open buckets). Every rank of a process
@@ -13,6 +16,7 @@ deterministic function of the model and the placement, so this holds by construc
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -45,9 +49,11 @@ class DoneHandle:
         return self._tensor
 
 
-@runtime_checkable
-class Communicator(Protocol):
+class Communicator(abc.ABC):
     """Collective operations used by the distributed K-FAC preconditioner.
+
+    The public methods check their arguments and hand each collective to the
+    implementation's :meth:`_collective` (or :meth:`_all_to_all`).
 
     Attributes:
         rank: This process's rank.
@@ -74,7 +80,8 @@ class Communicator(Protocol):
         Returns:
             A handle whose ``wait()`` returns the average (a new tensor).
         """
-        ...
+        world = tuple(range(self.world_size))
+        return self._collective("allreduce", tensor, world, -1, symmetric, kind)
 
     def reduce_mean(
         self, tensor: torch.Tensor, dst: int, *, symmetric: bool = False, kind: str = "factors"
@@ -94,7 +101,10 @@ class Communicator(Protocol):
             A handle whose ``wait()`` returns the average on ``dst`` (a new tensor) and
             this rank's own ``tensor`` elsewhere.
         """
-        ...
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"reduce destination {dst} is not a rank < {self.world_size}")
+        world = tuple(range(self.world_size))
+        return self._collective("reduce", tensor, world, dst, symmetric, kind)
 
     def broadcast(
         self,
@@ -122,7 +132,10 @@ class Communicator(Protocol):
         Returns:
             A handle whose ``wait()`` returns ``tensor`` filled with the data.
         """
-        ...
+        key = tuple(sorted(int(r) for r in group))
+        if src not in key:
+            raise ValueError(f"broadcast source {src} is not in group {list(group)}")
+        return self._collective("broadcast", tensor, key, src, symmetric, kind)
 
     def exchange(
         self,
@@ -149,12 +162,36 @@ class Communicator(Protocol):
             ``source rank -> 1-d uint8 tensor`` for every source with a size above 0,
             views of one buffer at offsets in rank order.
         """
-        ...
+        world = range(self.world_size)
+        if self.rank in chunks or self.rank in sizes or any(
+                r not in world for r in (*chunks, *sizes)):
+            raise ValueError(f"exchange takes other ranks of {self.world_size}, got chunks "
+                             f"for {sorted(chunks)} and sizes from {sorted(sizes)}")
+        return self._all_to_all(chunks, sizes, device, kind)
 
+    @abc.abstractmethod
     def flush(self) -> None:
         """Launches every open bucket."""
-        ...
 
+    @abc.abstractmethod
     def wait_all(self) -> None:
         """Flushes and waits for every launched collective."""
-        ...
+
+    @abc.abstractmethod
+    def _collective(self, op: str, tensor: torch.Tensor, group: tuple[int, ...], src: int,
+                    symmetric: bool, kind: str) -> CommHandle:
+        """Starts a checked collective.
+
+        Args:
+            op: ``'allreduce'``, ``'reduce'`` or ``'broadcast'``.
+            tensor: As the public method's.
+            group: The sorted ranks taking part (every rank but for a broadcast).
+            src: The reduce's destination or the broadcast's source; -1 for an allreduce.
+            symmetric: As the public method's.
+            kind: As the public method's.
+        """
+
+    @abc.abstractmethod
+    def _all_to_all(self, chunks: Mapping[int, torch.Tensor], sizes: Mapping[int, int],
+                    device: torch.device, kind: str) -> dict[int, torch.Tensor]:
+        """:meth:`exchange` with its ranks checked (all other ranks of the world)."""

@@ -25,7 +25,7 @@ import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kaisa.enums import DistributedStrategy, parse_grad_worker_fraction
+from kaisa.utils.enums import DistributedStrategy, parse_grad_worker_fraction
 
 __all__ = [
     "DistributedStrategy",

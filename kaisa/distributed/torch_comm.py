@@ -13,14 +13,14 @@ import contextlib
 import datetime
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.packing import pack_symmetric, packed_numel, unpack_symmetric
-from kaisa.distributed.protocol import CommHandle, DoneHandle
+from kaisa.distributed.protocol import CommHandle, Communicator, DoneHandle
 from kaisa.distributed.stats import CommStats
 
 __all__ = ["TorchDistCommunicator", "make_communicator"]
@@ -37,32 +37,23 @@ class _Entry:
     result: torch.Tensor | None = None
 
 
+@dataclass(eq=False)
 class _Bucket:
-    """Tensors sent together by one collective."""
+    """Tensors sent together by one collective (compared by identity)."""
 
-    def __init__(
-        self,
-        comm: TorchDistCommunicator,
-        op: str,
-        group: tuple[int, ...],
-        src: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        kind: str,
-    ) -> None:
-        self.comm = comm
-        self.op = op
-        self.group = group
-        self.src = src
-        self.dtype = dtype
-        self.device = device
-        self.kind = kind
-        self.entries: list[_Entry] = []
-        self.numel = 0
-        self.flat: torch.Tensor | None = None
-        self.work: dist.Work | None = None
-        self.launched = False
-        self.finished = False
+    comm: TorchDistCommunicator
+    op: str
+    group: tuple[int, ...]
+    src: int
+    dtype: torch.dtype
+    device: torch.device
+    kind: str
+    entries: list[_Entry] = field(default_factory=list)
+    numel: int = 0
+    flat: torch.Tensor | None = None
+    work: dist.Work | None = None
+    launched: bool = False
+    finished: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -183,7 +174,7 @@ def _default_timeout() -> datetime.timedelta | None:
         return None
 
 
-class TorchDistCommunicator:
+class TorchDistCommunicator(Communicator):
     """Fused asynchronous collectives over ``torch.distributed``.
 
     K-FAC traffic uses its own world-sized process group so that it never
@@ -259,15 +250,13 @@ class TorchDistCommunicator:
         with contextlib.suppress(ValueError):
             self._pending.remove(bucket)
 
-    def _enqueue(
-        self,
-        op: str,
-        tensor: torch.Tensor,
-        group: tuple[int, ...],
-        src: int,
-        symmetric: bool,
-        kind: str,
-    ) -> CommHandle:
+    def _collective(self, op: str, tensor: torch.Tensor, group: tuple[int, ...], src: int,
+                    symmetric: bool, kind: str) -> CommHandle:
+        """Adds ``tensor`` to the open bucket of its collective (launched when full)."""
+        if op == "broadcast":
+            self._group_handle(group)  # registered at construction
+            if self.rank not in group or len(group) == 1:
+                return DoneHandle(tensor)
         key = (op, group, src, tensor.dtype, tensor.device, kind)
         numel = packed_numel(tensor.shape, symmetric)
         nbytes = numel * tensor.element_size()
@@ -286,54 +275,10 @@ class TorchDistCommunicator:
             bucket.launch()
         return _BucketHandle(bucket, index)
 
-    def allreduce_mean(
-        self, tensor: torch.Tensor, *, symmetric: bool = False, kind: str = "factors"
-    ) -> CommHandle:
-        """See :meth:`Communicator.allreduce_mean`."""
-        world = tuple(range(self.world_size))
-        return self._enqueue("allreduce", tensor, world, -1, symmetric, kind)
-
-    def reduce_mean(
-        self, tensor: torch.Tensor, dst: int, *, symmetric: bool = False, kind: str = "factors"
-    ) -> CommHandle:
-        """See :meth:`Communicator.reduce_mean`."""
-        if not 0 <= dst < self.world_size:
-            raise ValueError(f"reduce destination {dst} is not a rank < {self.world_size}")
-        world = tuple(range(self.world_size))
-        return self._enqueue("reduce", tensor, world, dst, symmetric, kind)
-
-    def broadcast(
-        self,
-        tensor: torch.Tensor,
-        src: int,
-        group: Sequence[int],
-        *,
-        symmetric: bool = False,
-        kind: str = "decompositions",
-    ) -> CommHandle:
-        """See :meth:`Communicator.broadcast`."""
-        key = tuple(sorted(int(r) for r in group))
-        if src not in key:
-            raise ValueError(f"broadcast source {src} is not in group {list(group)}")
-        self._group_handle(key)
-        if self.rank not in key or len(key) == 1:
-            return DoneHandle(tensor)
-        return self._enqueue("broadcast", tensor, key, src, symmetric, kind)
-
-    def exchange(
-        self,
-        chunks: Mapping[int, torch.Tensor],
-        sizes: Mapping[int, int],
-        *,
-        device: torch.device,
-        kind: str = "gradients",
-    ) -> dict[int, torch.Tensor]:
-        """See :meth:`Communicator.exchange` (``all_to_all_single`` with uneven splits)."""
+    def _all_to_all(self, chunks: Mapping[int, torch.Tensor], sizes: Mapping[int, int],
+                    device: torch.device, kind: str) -> dict[int, torch.Tensor]:
+        """``all_to_all_single`` with uneven splits, on the K-FAC world group."""
         world = range(self.world_size)
-        if self.rank in chunks or self.rank in sizes or any(
-                r not in world for r in (*chunks, *sizes)):
-            raise ValueError(f"exchange takes other ranks of {self.world_size}, got chunks "
-                             f"for {sorted(chunks)} and sizes from {sorted(sizes)}")
         send_sizes = [int(chunks[r].numel()) if r in chunks else 0 for r in world]
         recv_sizes = [int(sizes.get(r, 0)) for r in world]
         empty = torch.empty(0, dtype=torch.uint8, device=device)

@@ -2,22 +2,25 @@
 
 Adding a method (e.g. eigenvalue-corrected K-FAC) is one new module implementing
 :class:`~kaisa.methods.base.SecondOrderMethod` plus one line in :data:`METHODS` (and its
-:class:`~kaisa.enums.ComputeMethod` member).
+:class:`~kaisa.utils.enums.ComputeMethod` member). The decomposition ladder they share
+(:mod:`kaisa.methods.linalg`: eigendecompositions and damped inverses batched by size,
+the float64 retry and the keep-previous fallback, warm-started eigenbases) is here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kaisa.enums import ComputeMethod
-from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
+from kaisa.methods.base import DENSE, Batch, Damping, Diagonal, Payload, SecondOrderMethod, State
 from kaisa.methods.eigen import EigenMethod
 from kaisa.methods.eigen_adam import EigenAdamMethod
 from kaisa.methods.inverse import InverseMethod, PiInverseMethod
+from kaisa.utils.enums import ComputeMethod
 
 __all__ = [
     "DENSE",
     "METHODS",
+    "Batch",
     "Damping",
     "Diagonal",
     "EigenAdamMethod",

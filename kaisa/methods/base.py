@@ -31,16 +31,17 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import torch
 
-from kaisa.enums import Side
-from kaisa.finite import all_finite
+from kaisa.utils.enums import Side
+from kaisa.utils.finite import all_finite
 
 logger = logging.getLogger("kaisa")
 
-__all__ = ["DENSE", "Damping", "Diagonal", "Payload", "SecondOrderMethod", "State"]
+__all__ = ["DENSE", "Batch", "Damping", "Diagonal", "Payload", "SecondOrderMethod", "State"]
 
 #: Tensors computed for one factor (e.g. ``[eigenvectors, eigenvalues]``).
 Payload: TypeAlias = list[torch.Tensor]
@@ -52,6 +53,23 @@ Damping: TypeAlias = float | torch.Tensor
 Diagonal: TypeAlias = frozenset[Side]
 #: No diagonal side: both factors are ``(blocks, n, n)`` matrices.
 DENSE: Diagonal = frozenset()
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Dense factor batches ``(blocks, n, n)`` decomposed in one call.
+
+    Attributes:
+        factors: The factor batches.
+        damping: Per factor, what :meth:`SecondOrderMethod.factor_damping` gave for it.
+        inv_dtype: Storage dtype of the results.
+        names: One name per factor, for warnings.
+    """
+
+    factors: Sequence[torch.Tensor]
+    damping: Sequence[Damping]
+    inv_dtype: torch.dtype
+    names: Sequence[str]
 
 
 class SecondOrderMethod(abc.ABC):
@@ -93,14 +111,14 @@ class SecondOrderMethod(abc.ABC):
         """
         flags = [False] * len(factors) if diagonal is None else list(diagonal)
         if not any(flags):
-            return self._dense(factors, damping, inv_dtype, names, previous)
+            return self._dense(Batch(factors, damping, inv_dtype, names), previous)
         out: list[Payload | None] = [None] * len(factors)
         dense = [i for i, flag in enumerate(flags) if not flag]
         if dense:
             results = self._dense(
-                [factors[i] for i in dense], [damping[i] for i in dense], inv_dtype,
-                [names[i] for i in dense], None if previous is None else [previous[i]
-                                                                          for i in dense],
+                Batch([factors[i] for i in dense], [damping[i] for i in dense],
+                           inv_dtype, [names[i] for i in dense]),
+                None if previous is None else [previous[i] for i in dense],
             )
             for i, res in zip(dense, results, strict=True):
                 out[i] = res
@@ -115,45 +133,26 @@ class SecondOrderMethod(abc.ABC):
         return out
 
     def _dense(
-        self, factors: Sequence[torch.Tensor], damping: Sequence[Damping],
-        inv_dtype: torch.dtype, names: Sequence[str], previous: Sequence[Payload | None] | None,
+        self, batch: Batch, previous: Sequence[Payload | None] | None
     ) -> list[Payload | None]:
         if previous is None:
-            return self.decompose_dense(factors, damping=damping, inv_dtype=inv_dtype,
-                                        names=names)
-        return self.refresh_dense(factors, previous, damping=damping, inv_dtype=inv_dtype,
-                                  names=names)
+            return self.decompose_dense(batch)
+        return self.refresh_dense(batch, previous)
 
     def refresh_dense(
-        self,
-        factors: Sequence[torch.Tensor],
-        previous: Sequence[Payload | None],
-        *,
-        damping: Sequence[Damping],
-        inv_dtype: torch.dtype,
-        names: Sequence[str],
+        self, batch: Batch, previous: Sequence[Payload | None]
     ) -> list[Payload | None]:
         """Dense decompositions that may start from the stored ones (default: ignore them).
 
         Args:
-            factors: Dense factor batches ``(blocks, n, n)``.
+            batch: The dense factors, as for :meth:`decompose_dense`.
             previous: Per factor, its stored payload or ``None``.
-            damping: See :meth:`decompose`.
-            inv_dtype: See :meth:`decompose`.
-            names: See :meth:`decompose`.
         """
-        return self.decompose_dense(factors, damping=damping, inv_dtype=inv_dtype, names=names)
+        return self.decompose_dense(batch)
 
     @abc.abstractmethod
-    def decompose_dense(
-        self,
-        factors: Sequence[torch.Tensor],
-        *,
-        damping: Sequence[Damping],
-        inv_dtype: torch.dtype,
-        names: Sequence[str],
-    ) -> list[Payload | None]:
-        """Decomposes dense factor batches ``(blocks, n, n)`` (see :meth:`decompose`)."""
+    def decompose_dense(self, batch: Batch) -> list[Payload | None]:
+        """Decomposes dense factor batches (see :meth:`decompose`)."""
 
     @abc.abstractmethod
     def decompose_diagonal(

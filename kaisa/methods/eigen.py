@@ -18,10 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kaisa import linalg, ops
-from kaisa.dtypes import working_dtype
-from kaisa.enums import Side
-from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
+from kaisa import ops
+from kaisa.methods import linalg
+from kaisa.methods.base import DENSE, Batch, Damping, Diagonal, Payload, SecondOrderMethod, State
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.enums import Side
 
 __all__ = ["EigenMethod"]
 
@@ -39,35 +40,24 @@ class EigenMethod(SecondOrderMethod):
     def __init__(self, *, outer_product: bool = True) -> None:
         self.outer_product = outer_product
 
-    def decompose_dense(
-        self,
-        factors: Sequence[torch.Tensor],
-        *,
-        damping: Sequence[Damping],
-        inv_dtype: torch.dtype,
-        names: Sequence[str],
-    ) -> list[Payload | None]:
+    def decompose_dense(self, batch: Batch) -> list[Payload | None]:
         """See :meth:`SecondOrderMethod.decompose`; payload ``[Q, d]`` (damping unused)."""
-        results = linalg.eigen_decompositions(factors, inv_dtype=inv_dtype, names=names)
+        results = linalg.eigen_decompositions(batch.factors, inv_dtype=batch.inv_dtype,
+                                              names=batch.names)
         return [None if r is None else [r.eigenvectors, r.eigenvalues] for r in results]
 
     def refresh_dense(
-        self,
-        factors: Sequence[torch.Tensor],
-        previous: Sequence[Payload | None],
-        *,
-        damping: Sequence[Damping],
-        inv_dtype: torch.dtype,
-        names: Sequence[str],
+        self, batch: Batch, previous: Sequence[Payload | None]
     ) -> list[Payload | None]:
         """Warm-started bases: one subspace-iteration step from the stored eigenvectors.
 
-        :func:`kaisa.linalg.warm_eigen_decompositions` (``eigh`` where none is stored or the
-        step is not finite); the eigenvalues are the estimates ``diag(Q0^T F Q0)``.
+        :func:`kaisa.methods.linalg.warm_eigen_decompositions` (``eigh`` where none is
+        stored or the step is not finite); the eigenvalues are the estimates
+        ``diag(Q0^T F Q0)``.
         """
         results = linalg.warm_eigen_decompositions(
-            factors, [None if p is None else p[0] for p in previous], inv_dtype=inv_dtype,
-            names=names)
+            batch.factors, [None if p is None else p[0] for p in previous],
+            inv_dtype=batch.inv_dtype, names=batch.names)
         return [None if r is None else [r.eigenvectors, r.eigenvalues] for r in results]
 
     def decompose_diagonal(

@@ -6,7 +6,7 @@ state also holds Adam's moments ``exp_avg`` and ``exp_avg_sq`` in that basis. Th
 where the bases live (a block's gradient workers), are checkpointed and gathered with
 them, and follow them: :meth:`EigenAdamMethod.install` rotates them into a new basis
 before storing it. :meth:`EigenAdamMethod.adam_step` is the per-block step a product runs
-through :meth:`kaisa.curvature.KFACCurvature.transform`. A side without a basis (a
+through :meth:`kaisa.core.curvature.KFACCurvature.transform`. A side without a basis (a
 diagonal side, or none computed yet) is the identity.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from kaisa.enums import Side
-from kaisa.first_order import AdamStep, adam_moments
 from kaisa.methods.base import DENSE, Diagonal, Payload, State
 from kaisa.methods.eigen import EigenMethod
+from kaisa.utils.enums import Side
+from kaisa.utils.first_order import AdamStep, adam_moments
 
 __all__ = ["EigenAdamMethod"]
 
@@ -76,7 +76,7 @@ class EigenAdamMethod(EigenMethod):
         """One Adam step in the block's eigenbasis: ``QG ((s m) / denom) QA^T``.
 
         ``r = QG^T grad QA`` updates the moments (created as zeros in ``dtype``), and
-        :meth:`~kaisa.first_order.AdamStep.update` of them is rotated back.
+        :meth:`~kaisa.utils.first_order.AdamStep.update` of them is rotated back.
 
         Args:
             state: The block's state (bases and moments; the moments are updated).

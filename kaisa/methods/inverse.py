@@ -1,7 +1,7 @@
 """Inverse method: damped inverses of the factors (kfac-pytorch's INVERSE).
 
 Each factor ``F`` is sent as ``[(F + damping I)^-1]`` (Cholesky, with the float64 retry
-ladder of :func:`kaisa.linalg.damped_inverses`); preconditioning is
+ladder of :func:`kaisa.methods.linalg.damped_inverses`); preconditioning is
 ``G_inv @ grad @ A_inv``. The inverses are symmetric, so ``symmetry_aware`` sends their
 upper triangles only. A diagonal factor ``a`` is sent as ``[1 / (a + damping)]`` and
 scales the gradient's columns (A) or rows (G).
@@ -10,14 +10,13 @@ scales the gradient's columns (A) or rows (G).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
-from kaisa import linalg
-from kaisa.dtypes import working_dtype
-from kaisa.enums import Side
-from kaisa.methods.base import DENSE, Damping, Diagonal, Payload, SecondOrderMethod, State
+from kaisa.methods import linalg
+from kaisa.methods.base import DENSE, Batch, Damping, Diagonal, Payload, SecondOrderMethod, State
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.enums import Side
 
 __all__ = ["InverseMethod", "PiInverseMethod"]
 
@@ -28,18 +27,10 @@ class InverseMethod(SecondOrderMethod):
     state_keys = ("a_inv", "g_inv")
     symmetric = (True,)
 
-    def decompose_dense(
-        self,
-        factors: Sequence[torch.Tensor],
-        *,
-        damping: Sequence[Damping],
-        inv_dtype: torch.dtype,
-        names: Sequence[str],
-    ) -> list[Payload | None]:
+    def decompose_dense(self, batch: Batch) -> list[Payload | None]:
         """See :meth:`SecondOrderMethod.decompose`; payload ``[(F + damping I)^-1]``."""
-        inverses = linalg.damped_inverses(
-            factors, damping=damping, inv_dtype=inv_dtype, names=names
-        )
+        inverses = linalg.damped_inverses(batch.factors, damping=batch.damping,
+                                          inv_dtype=batch.inv_dtype, names=batch.names)
         return [None if inv is None else [inv] for inv in inverses]
 
     def decompose_diagonal(

@@ -43,6 +43,7 @@ from kaisa.ops._backend import (
     use_backend,
 )
 from kaisa.ops._checks import (
+    ConvArgs,
     _check_eigen_args,
     _check_float_tensor,
     _check_scalar,
@@ -164,30 +165,24 @@ def conv_covariance(
         TypeError: if ``x`` is not a floating point tensor.
         ValueError: on bad shapes or convolution parameters.
     """
-    xt, ks, st, pd, dl, g = _conv_args(x, kernel_size, stride, padding, dilation, groups)
+    xt, conv = _conv_args(x, kernel_size, stride, padding, dilation, groups)
     s = _check_scalar(scale, "scale")
-    positions = [(xt.shape[2 + i] + 2 * pd[i] - dl[i] * (ks[i] - 1) - 1) // st[i] + 1
-                 for i in (0, 1)]
-    xt, f = prescaled(xt, xt.shape[0] * positions[0] * positions[1], s)
-    if _shifted_path(xt, ks, st, pd, dl, g):
-        out: torch.Tensor = _shifted.conv_covariance_shifted(xt, ks, pd, bool(bias), s)
+    oh, ow = conv.output_size(xt.shape[2], xt.shape[3])
+    xt, f = prescaled(xt, xt.shape[0] * oh * ow, s)
+    if _shifted_path(xt, conv):
+        out: torch.Tensor = _shifted.conv_covariance_shifted(
+            xt, conv.kernel_size, conv.padding, bool(bias), s)
     elif _use_ext("conv_covariance", xt.device):
+        ks, st, pd, dl, g = conv
         out = torch.ops.kaisa.conv_covariance(
             xt, list(ks), list(st), list(pd), list(dl), g, bool(bias), s
         )
     else:
-        out = _reference.conv_covariance(xt, ks, st, pd, dl, g, bool(bias), s)
+        out = _reference.conv_covariance(xt, *conv, bool(bias), s)
     return rescaled(out, f, bias=bool(bias))
 
 
-def _shifted_path(
-    x: torch.Tensor,
-    kernel_size: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
-    groups: int,
-) -> bool:
+def _shifted_path(x: torch.Tensor, conv: ConvArgs) -> bool:
     """Whether the ext backend computes this conv factor by shifted correlations.
 
     On the CPU, the factor of a stride-1, dilation-1, one-group convolution with a kernel
@@ -197,10 +192,7 @@ def _shifted_path(
     columns; ``bench/conv_factor.py`` times both). Its planning is in Python ints (no host
     synchronisation), so ``torch.compile`` traces it (tests/test_conv_shifted.py).
     """
-    return (
-        _use_ext("conv_covariance", x.device)
-        and _shifted.supports_shifted(x, kernel_size, stride, padding, dilation, groups)
-    )
+    return _use_ext("conv_covariance", x.device) and _shifted.supports_shifted(x, conv)
 
 
 @_fake("conv_covariance")
@@ -321,7 +313,7 @@ def eigh_checks_finite(a: torch.Tensor) -> bool:
     (``csrc/SCHEMAS.md``), so a caller's own check would only add a second
     synchronisation. The CPU kernel and the reference make no such promise. Where it is
     true, :func:`eigh_status` runs the same kernel without the synchronisation (its
-    status covers ``info`` and finiteness), which :mod:`kaisa.linalg` uses to read a
+    status covers ``info`` and finiteness), which :mod:`kaisa.methods.linalg` uses to read a
     whole decomposition round's statuses at once.
 
     Args:

@@ -3,10 +3,38 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 _INT32_MAX = 2**31 - 1
+
+
+class ConvArgs(NamedTuple):
+    """The checked arguments that shape a 2D convolution's patches (in the ops' order).
+
+    Attributes:
+        kernel_size: ``(kh, kw)``.
+        stride: ``(sh, sw)``.
+        padding: symmetric zero padding ``(ph, pw)``.
+        dilation: ``(dh, dw)``.
+        groups: number of convolution groups (divides the input's channels).
+    """
+
+    kernel_size: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """The output positions ``(out_h, out_w)`` of a ``height x width`` input."""
+        oh, ow = (
+            (size + 2 * self.padding[i] - self.dilation[i] * (self.kernel_size[i] - 1) - 1)
+            // self.stride[i] + 1
+            for i, size in enumerate((height, width))
+        )
+        return oh, ow
 
 
 def _check_tensor(t: object, name: str) -> torch.Tensor:
@@ -53,7 +81,7 @@ def _conv_args(
     padding: object,
     dilation: object,
     groups: object,
-) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int], int]:
+) -> tuple[torch.Tensor, ConvArgs]:
     xt = _check_float_tensor(x, "x", (4,))
     ks = _check_pair(kernel_size, "kernel_size", 1)
     st = _check_pair(stride, "stride", 1)
@@ -72,7 +100,7 @@ def _conv_args(
                 f"x {name} {size} with padding {pd[dim]} is smaller than the dilated "
                 f"kernel extent {span}"
             )
-    return xt, ks, st, pd, dl, groups
+    return xt, ConvArgs(ks, st, pd, dl, groups)
 
 
 # --------------------------------------------------------------------------- #

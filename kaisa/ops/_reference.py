@@ -15,7 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kaisa.dtypes import working_dtype
+from kaisa.ops._checks import ConvArgs
+from kaisa.utils.dtypes import working_dtype
 
 __all__ = [
     "conv_covariance",
@@ -52,24 +53,12 @@ def covariance(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Te
     return _symmetrize(c).to(x.dtype)
 
 
-def conv_patches(
-    x: torch.Tensor,
-    kernel_size: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
-    groups: int,
-    bias: bool,
-) -> torch.Tensor:
+def conv_patches(x: torch.Tensor, conv: ConvArgs, bias: bool) -> torch.Tensor:
     """Builds the per-group patch matrices of a 2D convolution input.
 
     Args:
         x: (N, C, H, W) input of the convolution.
-        kernel_size: (kh, kw).
-        stride: (sh, sw).
-        padding: symmetric zero padding (ph, pw).
-        dilation: (dh, dw).
-        groups: number of convolution groups (divides C).
+        conv: its kernel size, stride, padding, dilation and groups.
         bias: whether to append a ones column (last) to each patch matrix.
 
     Returns:
@@ -77,6 +66,7 @@ def conv_patches(
         column order is channel slowest, then kernel row, then kernel column.
     """
     n, c = x.shape[0], x.shape[1]
+    kernel_size, stride, padding, dilation, groups = conv
     cols = F.unfold(x, kernel_size, dilation=dilation, padding=padding, stride=stride)
     per_group = c // groups * kernel_size[0] * kernel_size[1]
     length = cols.shape[-1]
@@ -113,7 +103,8 @@ def conv_covariance(
         Exactly symmetric (groups, d, d) tensor, ``d = C / groups * kh * kw + bias``.
     """
     acc = working_dtype(x.dtype)
-    p = conv_patches(x.to(acc), kernel_size, stride, padding, dilation, groups, bias)
+    conv = ConvArgs(kernel_size, stride, padding, dilation, groups)
+    p = conv_patches(x.to(acc), conv, bias)
     c = torch.bmm(p.transpose(1, 2), p) * scale
     return _symmetrize(c).to(x.dtype)
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from kaisa.dtypes import working_dtype
+from kaisa.ops._checks import ConvArgs
+from kaisa.utils.dtypes import working_dtype
 
 __all__ = ["conv_covariance_shifted", "supports_shifted"]
 
@@ -48,14 +49,7 @@ _CHUNK = 1024
 MIN_CHANNELS, MIN_SIDE, MIN_POSITIONS = 8, 8, 4096
 
 
-def supports_shifted(
-    x: torch.Tensor,
-    kernel_size: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
-    groups: int,
-) -> bool:
+def supports_shifted(x: torch.Tensor, conv: ConvArgs) -> bool:
     """Whether :func:`conv_covariance_shifted` computes this convolution's A factor, and pays.
 
     A kernel of more than one position (a 1x1 kernel has no shifts to share: its factor
@@ -67,11 +61,10 @@ def supports_shifted(
     if x.dim() != 4:
         return False
     n, c, h, w = x.shape
-    oh = h + 2 * padding[0] - kernel_size[0] + 1
-    ow = w + 2 * padding[1] - kernel_size[1] + 1
+    oh, ow = conv.output_size(h, w)
     return (
-        kernel_size[0] * kernel_size[1] > 1 and stride == (1, 1) and dilation == (1, 1)
-        and groups == 1 and x.device.type == "cpu"
+        conv.kernel_size[0] * conv.kernel_size[1] > 1 and conv.stride == (1, 1)
+        and conv.dilation == (1, 1) and conv.groups == 1 and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.float64) and c >= MIN_CHANNELS
         and min(h, w) >= MIN_SIDE and oh > 0 and ow > 0 and n * oh * ow >= MIN_POSITIONS
     )

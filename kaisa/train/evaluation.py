@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from kaisa.fsdp_tangents import reshard
+from kaisa.distributed.fsdp_tangents import reshard
 from kaisa.train.data import Dataset
 from kaisa.train.distributed import DistContext, all_reduce_sum
 

@@ -25,7 +25,7 @@ class Call:
 
 @dataclass
 class FakeCommunicator:
-    """Implements :class:`kaisa.distributed.Communicator` for ``rank`` of ``world_size``.
+    """Stands in for a :class:`kaisa.distributed.Communicator` as ``rank`` of ``world_size``.
 
     ``allreduce_mean`` returns the local contribution (as if every rank sent the same).
     A ``broadcast`` this rank receives is filled by ``peer(call, buffer)``; the default

@@ -28,10 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
-from kaisa.fsdp_tangents import UnitTangents
-from kaisa.losses import Loss
-from kaisa.profiling import phase
-from kaisa.shards import shard_count
+from kaisa.distributed.fsdp_tangents import UnitTangents
+from kaisa.kfac.losses import Loss
+from kaisa.utils.profiling import phase
+from kaisa.utils.shards import shard_count
 
 __all__ = [
     "ForwardLinearization",
@@ -109,7 +109,7 @@ class ForwardLinearization:
     """``J v`` by forward-mode AD (dual numbers), one forward pass per vector.
 
     The forward pass is the closure's, run again with dual parameters inside ``replay()``
-    (:func:`kaisa.replay.replayed`: same random numbers, buffers restored, math
+    (:func:`kaisa.kfac.replay.replayed`: same random numbers, buffers restored, math
     attention) and without grad mode (no statistics are recorded), so ``J`` is the
     Jacobian of the training forward at the same point.
 
@@ -122,7 +122,7 @@ class ForwardLinearization:
             ``model.named_parameters``; give it when FSDP2 may have swapped them).
 
     Parameters FSDP2 shards (``DTensor`` objects; their vectors too) get their dual values
-    from inside their unit's forward (:class:`kaisa.fsdp_tangents.UnitTangents`), the
+    from inside their unit's forward (:class:`kaisa.distributed.fsdp_tangents.UnitTangents`), the
     others through ``functional_call``.
     """
 
@@ -202,7 +202,7 @@ def gram(
         vectors: One tensor per parameter in each; a parameter FSDP2 shards is a
             ``DTensor`` in every vector.
         mean: The mean over ranks, needed when a parameter is sharded: each rank sums
-            its shards' products, times :func:`~kaisa.shards.shard_count` (an HSDP
+            its shards' products, times :func:`~kaisa.utils.shards.shard_count` (an HSDP
             replica holds the same shards), and the mean over ranks is the whole sum.
     """
     k = len(vectors)

@@ -1,13 +1,13 @@
 """The backward passes that record :class:`kaisa.KFAC`'s G from the predictive distribution.
 
 ``curvature='mc'``: one pass per Monte-Carlo sample of the loss at targets drawn by
-:meth:`kaisa.losses.Loss.sample_targets`. ``curvature='type2'``: one pass per column of
-:meth:`kaisa.losses.Loss.fisher_sqrt`, the output gradients whose outer products sum to
+:meth:`kaisa.kfac.losses.Loss.sample_targets`. ``curvature='type2'``: one pass per column of
+:meth:`kaisa.kfac.losses.Loss.fisher_sqrt`, the output gradients whose outer products sum to
 the sampled gradients' covariance, so that G is the Monte-Carlo estimate's expectation
 where each row of a block's output gradient depends on one position
 (``docs/conventions.md``, "Where ``kaisa.KFAC``'s G comes from", has the definitions and
 the scalars). Each pass runs inside the core's
-:meth:`~kaisa.curvature.KFACCurvature.output_gradients` scope, which records it with
+:meth:`~kaisa.core.curvature.KFACCurvature.output_gradients` scope, which records it with
 the Fisher scale; the first pass can also build the quadratic model's ``J^T``
 (``jvp='double_backward'``).
 """
@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from kaisa import quadratic
-from kaisa.amp import LossScaling
-from kaisa.curvature import KFACCurvature
-from kaisa.losses import Loss, Share
-from kaisa.optimizer_config import TYPE2_MAX_COLUMNS, Curvature, KFACOptimizerConfig
-from kaisa.profiling import phase
+from kaisa.core.curvature import KFACCurvature
+from kaisa.kfac import quadratic
+from kaisa.kfac.amp import LossScaling
+from kaisa.kfac.config import TYPE2_MAX_COLUMNS, Curvature, KFACOptimizerConfig
+from kaisa.kfac.losses import Loss, Share
+from kaisa.utils.profiling import phase
 
 __all__ = ["backward_passes", "record_g", "upstream"]
 
@@ -54,7 +54,7 @@ def record_g(
         loss: The declared loss.
         outputs: The model outputs, with the training forward's graph (kept).
         params: The parameters the passes differentiate where the forward kept no hooked
-            outputs (:attr:`~kaisa.hooks.StatisticsRecorder.keep_outputs`; their ``.grad``
+            outputs (:attr:`~kaisa.core.hooks.StatisticsRecorder.keep_outputs`; their ``.grad``
             is untouched).
         covered: The parameters the quadratic model's ``J^T`` is built over.
         samples: Monte-Carlo samples (``MC``).
@@ -69,7 +69,7 @@ def record_g(
 
     Raises:
         ValueError: With ``TYPE2``, when the outputs' last dimension (the passes) exceeds
-            :data:`~kaisa.optimizer_config.TYPE2_MAX_COLUMNS`.
+            :data:`~kaisa.kfac.config.TYPE2_MAX_COLUMNS`.
     """
     linearization: quadratic.Linearization | None = None
     # the passes need only the hooked outputs' gradients where the forward kept them (no

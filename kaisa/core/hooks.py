@@ -1,10 +1,10 @@
 """Recording K-FAC statistics: module hooks, micro-batch counting, end of backward.
 
 :class:`StatisticsRecorder` observes every registered block at its call sites
-(:mod:`kaisa.callsites`, :meth:`~kaisa.blocks.CurvatureBlock.call_sites`): by default the
+(:mod:`kaisa.blocks.callsites`, :meth:`~kaisa.blocks.CurvatureBlock.call_sites`): by default the
 block's own module, through one forward hook; a block may also be observed through
 several modules (one forward hook each), or through the ``F.linear`` calls made inside a
-module's forward (one :class:`~kaisa.callsites.FunctionalTap` per such module, active
+module's forward (one :class:`~kaisa.blocks.callsites.FunctionalTap` per such module, active
 only while recording). Every observation, whatever its site, takes one path
 (``_observe``): while recording (training mode, gradients on,
 :attr:`StatisticsRecorder.recording` set by the curvature core for a factor-update step)
@@ -38,8 +38,8 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from kaisa.blocks import CurvatureBlock
-from kaisa.callsites import CallSite, Cut, FunctionalTap, hook_outputs
-from kaisa.profiling import timed
+from kaisa.blocks.callsites import CallSite, Cut, FunctionalTap, hook_outputs
+from kaisa.utils.profiling import timed
 
 __all__ = ["StatisticsRecorder", "full_precision", "loss_scale"]
 
@@ -124,7 +124,7 @@ class StatisticsRecorder:
         self.divisor: float | torch.Tensor | None = None
         #: Keep where the hooked outputs of recorded forward passes enter the graph, in
         #: :attr:`kept_outputs` (until :meth:`end_step`; edges, not the tensors): G's
-        #: backward passes need only their gradients (:func:`kaisa.fisher.record_g`).
+        #: backward passes need only their gradients (:func:`kaisa.kfac.fisher.record_g`).
         self.keep_outputs = False
         self.kept_outputs: list[GradientEdge] = []
         self._forward_calls: dict[str, int] = {}
@@ -204,7 +204,7 @@ class StatisticsRecorder:
         self, key: tuple[CurvatureBlock, int], x: torch.Tensor,
         outputs: tuple[torch.Tensor, ...], cut: Cut,
     ) -> None:
-        """One functional observation (:class:`~kaisa.callsites.FunctionalTap`)."""
+        """One functional observation (:class:`~kaisa.blocks.callsites.FunctionalTap`)."""
         layer, site = key
         self._observe(layer, site, cut.input(x.detach()), outputs, cut)
 

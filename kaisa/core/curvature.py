@@ -1,7 +1,7 @@
 """The K-FAC curvature core: one estimator under every product.
 
 :class:`KFACCurvature` owns the curvature blocks (:mod:`kaisa.blocks`), the statistics
-recorder (:mod:`kaisa.hooks`), the distributed engine (:mod:`kaisa.distributed.engine`)
+recorder (:mod:`kaisa.core.hooks`), the distributed engine (:mod:`kaisa.distributed.engine`)
 and the second-order method (:mod:`kaisa.methods`). It holds no hyperparameter that
 changes during training: every phase takes what it needs as an explicit argument, and it
 never calls up into the product that drives it.
@@ -39,17 +39,17 @@ from torch import nn
 
 from kaisa.blocks import CurvatureBlock, Preconditioned, RunningFactors, register_blocks
 from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_factor_updates
-from kaisa.config import KFACConfig
-from kaisa.coverage import FIRST_ORDER, coverage_line, parameter_coverage
+from kaisa.core.config import KFACConfig
+from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
+from kaisa.core.hooks import StatisticsRecorder
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.distributed.agreement import check_same_on_ranks
 from kaisa.distributed.engine import BlockRule
 from kaisa.distributed.fsdp import rounds
 from kaisa.distributed.gather import gather_decompositions, gather_factors
 from kaisa.distributed.memory import large_factor_message
-from kaisa.hooks import StatisticsRecorder
 from kaisa.methods import SecondOrderMethod, make_method
-from kaisa.profiling import timed
+from kaisa.utils.profiling import timed
 
 __all__ = ["FIRST_ORDER", "TIMING_KEYS", "KFACCurvature"]
 
@@ -174,7 +174,7 @@ class KFACCurvature:
             self._timings[key] = 0.0
 
     def timed(self, key: str) -> AbstractContextManager[None]:
-        """Adds the block's host seconds to ``timings[key]`` (:class:`kaisa.profiling.timed`)."""
+        """Adds the block's host seconds to ``timings[key]`` (:class:`.profiling.timed`)."""
         return timed(self._timings, key)
 
     # ------------------------------------------------------------------ recording

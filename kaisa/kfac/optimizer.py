@@ -1,21 +1,21 @@
 """``kaisa.KFAC``: the K-FAC optimizer with Monte-Carlo Fisher and the quadratic model.
 
 Martens & Grosse 2015 and kfac-jax's adaptive optimizer, on the curvature core
-(:class:`~kaisa.curvature.KFACCurvature`: every KAISA strategy works). :meth:`KFAC.step`
+(:class:`~kaisa.core.curvature.KFACCurvature`: every KAISA strategy works). :meth:`KFAC.step`
 is a list of named phases: loss and curvature (G from sampled targets or the true loss),
 direction (the preconditioned gradient), coefficients (the quadratic model,
-:mod:`kaisa.quadratic`, or fixed ``lr``/``momentum``), apply, adapt damping (the
-Levenberg-Marquardt rule). ``docs/architecture.md`` ("One ``KFAC`` step") has the math
-and the cost; losses are :mod:`kaisa.losses`, loss scaling :mod:`kaisa.amp`, the
-configuration :class:`~kaisa.optimizer_config.KFACOptimizerConfig`.
+:mod:`kaisa.kfac.quadratic`, or fixed ``lr``/``momentum``), apply, adapt damping (the
+Levenberg-Marquardt rule). ``docs/conventions.md`` ("The adaptive step of
+``kaisa.KFAC``") has the math and the cost; losses are :mod:`kaisa.kfac.losses`, loss
+scaling :mod:`kaisa.kfac.amp`, the configuration :class:`~kaisa.kfac.config.KFACOptimizerConfig`.
 
 In distributed runs (gradients averaged by DDP) the few scalars of the quadratic model
 and of the LM rule are averaged over ranks, so every rank takes the same step.
 
-The adaptive parts need the batch: :meth:`KFAC.step` takes a closure (:mod:`kaisa.closure`).
+The adaptive parts need the batch: :meth:`KFAC.step` takes a closure (:mod:`kaisa.kfac.closure`).
 Without one (after the user's own ``loss.backward()``), only fixed ``lr``/``momentum`` with
 ``'empirical'`` curvature work. Mixed precision: ``torch.autocast`` inside the closure and a
-``torch.amp.GradScaler`` as ``grad_scaler``; KFAC drives it (:mod:`kaisa.amp`).
+``torch.amp.GradScaler`` as ``grad_scaler``; KFAC drives it (:mod:`kaisa.kfac.amp`).
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa import optimizer_state, quadratic
-from kaisa.amp import HALF, LossScaling, full_precision_outputs
-from kaisa.clipping import parameter_directions, write_preconditioned
-from kaisa.closure import Closure, call, replayed_loss
-from kaisa.curvature import KFACCurvature
-from kaisa.first_order import fixed_value, sgd_update
-from kaisa.fisher import backward_passes
-from kaisa.hyperparams import Schedules
-from kaisa.losses import Loss, LossKind, Reduction, Share
-from kaisa.optimizer_config import (
+from kaisa.core.clipping import parameter_directions, write_preconditioned
+from kaisa.core.curvature import KFACCurvature
+from kaisa.kfac import quadratic
+from kaisa.kfac import state as optimizer_state
+from kaisa.kfac.amp import HALF, LossScaling, full_precision_outputs
+from kaisa.kfac.closure import Closure, call, replayed_loss
+from kaisa.kfac.config import (
     ADAPTIVE,
     Curvature,
     FirstOrder,
@@ -43,10 +40,14 @@ from kaisa.optimizer_config import (
     KFACOptimizerConfig,
     StepSize,
 )
-from kaisa.profiling import phase, timed
-from kaisa.quadratic import lm_damping
-from kaisa.replay import RandomState, replayed
-from kaisa.shards import is_sharded
+from kaisa.kfac.fisher import backward_passes
+from kaisa.kfac.losses import Loss, LossKind, Reduction, Share
+from kaisa.kfac.quadratic import lm_damping
+from kaisa.kfac.replay import RandomState, replayed
+from kaisa.utils.first_order import fixed_value, sgd_update
+from kaisa.utils.hyperparams import Schedules
+from kaisa.utils.profiling import phase, timed
+from kaisa.utils.shards import is_sharded
 
 __all__ = ["KFAC", "Curvature", "lm_damping"]
 
@@ -351,7 +352,7 @@ class KFAC(torch.optim.Optimizer):
 
     def _arm(self) -> None:  # whether the coming forward passes record statistics
         self.curvature.recording = recording = self._due("factor_update_steps")
-        # G's passes differentiate the hooked outputs only (kaisa.fisher.record_g)
+        # G's passes differentiate the hooked outputs only (kaisa.kfac.fisher.record_g)
         self.curvature.recorder.keep_outputs = (
             recording and self.config.curvature is not Curvature.EMPIRICAL)
 
@@ -360,7 +361,7 @@ class KFAC(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _current(self, name: str) -> float:
-        """The fixed ``lr``/``momentum`` of this step (:func:`~kaisa.first_order.fixed_value`)."""
+        """The fixed ``lr``/``momentum`` of this step (:func:`.first_order.fixed_value`)."""
         return fixed_value(name, getattr(self.config, name), self.param_groups, self.steps)
 
     def _sgd_update(self, params: list[torch.Tensor]) -> None:
@@ -397,7 +398,7 @@ class KFAC(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` output (bit-exact resume).
 
-        Everything is checked first (:func:`kaisa.optimizer_state.checked`): a malformed
+        Everything is checked first (:func:`kaisa.kfac.state.checked`): a malformed
         or mismatched state raises ``ValueError`` and leaves the optimizer as it was.
         """
         saved = optimizer_state.checked(state_dict, schedules=self._schedules,

@@ -2,7 +2,7 @@
 
 :class:`EKFACConfig` holds the Adam hyperparameters (the defaults of the param groups,
 checked like ``torch.optim.AdamW``'s), the basis refresh, and a nested
-:class:`~kaisa.config.KFACConfig` for the curvature core, whose EKFAC-specific values are
+:class:`~kaisa.core.config.KFACConfig` for the curvature core, whose EKFAC-specific values are
 decided here, in one place:
 
 * ``inv_update_steps`` is ``basis_update_steps``; ``compute_method`` is ``'eigen'``
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from kaisa.config import KFACConfig
-from kaisa.dtypes import working_dtype
-from kaisa.enums import ComputeMethod, parse_enum
-from kaisa.hyperparams import check_int
+from kaisa.core.config import KFACConfig
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.enums import ComputeMethod, parse_enum
+from kaisa.utils.hyperparams import check_int
 
 __all__ = ["KRONECKER_KINDS", "BasisRefresh", "EKFACConfig", "check_adam_group"]
 
@@ -119,7 +119,7 @@ class EKFACConfig:
                 working dtype.
             layer_kinds: The kinds to register (diagonal kinds dropped).
             weight_dtype: The parameters' dtype.
-            **core: The other :class:`~kaisa.config.KFACConfig` keywords.
+            **core: The other :class:`~kaisa.core.config.KFACConfig` keywords.
         """
         check_adam_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         check_int("eigh_every", eigh_every)
@@ -152,7 +152,7 @@ class EKFACConfig:
 
 
 def _kronecker_kinds(value: object) -> tuple[str, ...]:
-    """``layer_kinds`` as :class:`~kaisa.config.KFACConfig` parses it, without diagonal kinds."""
+    """``layer_kinds`` as :class:`~kaisa.KFACConfig` parses it, without diagonal kinds."""
     from kaisa.blocks import BLOCK_KINDS
 
     parsed = KFACConfig(layer_kinds=value).layer_kinds  # type: ignore[arg-type]

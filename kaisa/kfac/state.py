@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from kaisa.curvature import KFACCurvature
-from kaisa.finite import all_finite
-from kaisa.hyperparams import Schedules, check_count
+from kaisa.core.curvature import KFACCurvature
+from kaisa.utils.finite import all_finite
+from kaisa.utils.hyperparams import Schedules, check_count
 
 __all__ = ["Checked", "checked", "saved"]
 

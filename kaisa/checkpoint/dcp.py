@@ -7,7 +7,7 @@ A checkpoint holds three parts, keyed by names that do not depend on the world s
 * ``'optim'``: the optimizer's state keyed by parameter name, as
   :func:`~torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` gives it
   (for :class:`kaisa.EKFAC`, its AdamW state, and for :class:`kaisa.KFAC`, its
-  per-parameter ``velocity``, converted the same way by :mod:`kaisa.checkpoint_optim`;
+  per-parameter ``velocity``, converted the same way by :mod:`kaisa.checkpoint.optim`;
   KFAC's first-order optimizer's state, for the parameters no block covers, under
   ``'optim.first_order'`` in the same layout);
 * ``'kfac'``: the K-FAC state. ``'kfac.meta'`` (every rank the same, written once) holds
@@ -66,12 +66,12 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from kaisa import checkpoint_optim
-from kaisa.curvature import KFACCurvature
-from kaisa.ekfac import EKFAC
-from kaisa.finite import all_finite
-from kaisa.optimizer import KFAC
-from kaisa.preconditioner import KFACPreconditioner
+from kaisa.checkpoint import optim as checkpoint_optim
+from kaisa.core.curvature import KFACCurvature
+from kaisa.ekfac.optimizer import EKFAC
+from kaisa.kfac.optimizer import KFAC
+from kaisa.preconditioner.preconditioner import KFACPreconditioner
+from kaisa.utils.finite import all_finite
 
 __all__ = ["FORMAT", "get_state_dict", "kfac_state_dict", "load", "save"]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kaisa import ops
-from kaisa.dtypes import working_dtype
-from kaisa.finite import all_finite
+from kaisa.utils.dtypes import working_dtype
+from kaisa.utils.finite import all_finite
 
 __all__ = [
     "EigenResult",
@@ -81,7 +81,7 @@ def eigen_decompositions(
     Args:
         factors: factor batches ``(B_i, n_i, n_i)`` (``None`` entries stay ``None``).
         inv_dtype: storage dtype of the results; decompositions run in
-            :func:`kaisa.dtypes.working_dtype` of it.
+            :func:`kaisa.utils.dtypes.working_dtype` of it.
         names: names for the warnings, one per factor.
 
     Returns:

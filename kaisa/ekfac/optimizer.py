@@ -2,11 +2,11 @@
 
 EKFAC (George et al., 2018) with Adam's moments, as SOAP (Vyas et al., 2024) runs them in
 Shampoo's eigenbasis; the exact update is ``docs/conventions.md``'s "EKFAC" section. On
-the curvature core (:class:`~kaisa.curvature.KFACCurvature`: every KAISA strategy works):
+the curvature core (:class:`~kaisa.core.curvature.KFACCurvature`: every KAISA strategy works):
 the hooks record the K-FAC factors of the registered blocks on factor-update steps, the
 bases are refreshed every ``basis_update_steps`` (by ``eigh`` or a warm-started QR step),
 and each block's Adam step runs in its eigenbasis on its gradient workers
-(:meth:`~kaisa.curvature.KFACCurvature.transform` with
+(:meth:`~kaisa.core.curvature.KFACCurvature.transform` with
 :meth:`~kaisa.methods.EigenAdamMethod.adam_step`; the moments live with the bases).
 Parameters no Kronecker block covers take ``torch.optim.AdamW``'s step. With the identity
 basis EKFAC is AdamW bit for bit.
@@ -30,15 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.config import KFACConfig
-from kaisa.curvature import KFACCurvature
-from kaisa.ekfac_config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
-from kaisa.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
-from kaisa.first_order import AdamStep, adamw_update, step_count
-from kaisa.hyperparams import Schedule, Schedules, check_count
+from kaisa.core.config import KFACConfig
+from kaisa.core.curvature import KFACCurvature
+from kaisa.ekfac.config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
 from kaisa.methods import EigenAdamMethod
-from kaisa.profiling import phase
-from kaisa.shards import rows_of
+from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
+from kaisa.utils.first_order import AdamStep, adamw_update, step_count
+from kaisa.utils.hyperparams import Schedule, Schedules, check_count
+from kaisa.utils.profiling import phase
+from kaisa.utils.shards import rows_of
 
 __all__ = ["EKFAC", "BasisRefresh"]
 

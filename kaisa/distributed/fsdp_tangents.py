@@ -1,7 +1,8 @@
 """Forward-mode tangents for parameters FSDP2 shards, one unit at a time.
 
-:class:`kaisa.KFAC`'s quadratic model needs ``J v`` (:class:`kaisa.quadratic.ForwardLinearization`):
-a replayed forward pass with dual parameters ``theta + eps v``. Under FSDP2
+:class:`kaisa.KFAC`'s quadratic model needs ``J v``
+(:class:`kaisa.kfac.quadratic.ForwardLinearization`): a replayed forward pass with dual
+parameters ``theta + eps v``. Under FSDP2
 (``fully_shard``) a parameter is a ``DTensor`` shard; each unit (a module ``fully_shard``
 wrapped) all-gathers its parameters in a forward pre-hook and sets the unsharded ones on
 their modules, which ``functional_call`` cannot override. :class:`UnitTangents` therefore

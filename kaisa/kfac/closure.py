@@ -2,13 +2,13 @@
 
 A closure runs a fresh forward pass of the model on the current batch and returns
 ``(outputs, targets)``: the outputs with their graph, and the targets the declared loss
-compares them with (:mod:`kaisa.losses`: ``'mse'`` targets shaped like the outputs,
+compares them with (:mod:`kaisa.kfac.losses`: ``'mse'`` targets shaped like the outputs,
 ``'cross_entropy'`` class indices shaped like the outputs without their last, class,
 dimension). :func:`call` checks that.
 
 The Levenberg-Marquardt rule measures the loss after the update with one more forward
 pass, in training mode so that its loss is comparable with the step's (batch statistics
-in BatchNorm, the same dropout masks), replayed by :func:`kaisa.replay.replayed`: from the
+in BatchNorm, the same dropout masks), replayed by :func:`kaisa.kfac.replay.replayed`: from the
 random state the step's forward started from, and restoring every buffer of the model
 (BatchNorm's running statistics and ``num_batches_tracked``) and the random number
 generators afterwards.
@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kaisa.amp import full_precision_outputs
-from kaisa.losses import Loss
-from kaisa.replay import RandomState, replayed
+from kaisa.kfac.amp import full_precision_outputs
+from kaisa.kfac.losses import Loss
+from kaisa.kfac.replay import RandomState, replayed
 
 __all__ = ["Closure", "call", "replayed_loss"]
 
@@ -66,7 +66,7 @@ def replayed_loss(
     """The loss of a forward pass replaying the step's (from ``start``), float64, no graph.
 
     The Levenberg-Marquardt rule's ``L(theta + delta)``: the same dropout masks, and no
-    module state or random stream changes (:func:`kaisa.replay.replayed`).
+    module state or random stream changes (:func:`kaisa.kfac.replay.replayed`).
     """
     with torch.no_grad(), replayed(model, start):
         outputs, targets = call(closure)

@@ -9,7 +9,7 @@ function as the training forward and leave no trace:
 * module buffers (BatchNorm running statistics and counts) are restored afterwards;
 * attention runs on PyTorch's math kernel of ``F.scaled_dot_product_attention``, the one
   with forward-mode derivatives (the fused CPU/CUDA kernels have none);
-* a model FSDP2 shards is resharded afterwards (:func:`kaisa.fsdp_tangents.reshard`).
+* a model FSDP2 shards is resharded afterwards (:func:`kaisa.distributed.fsdp_tangents.reshard`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kaisa.fsdp_tangents import reshard
+from kaisa.distributed.fsdp_tangents import reshard
 
 __all__ = ["RandomState", "replayed"]
 

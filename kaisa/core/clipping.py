@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
-from kaisa.finite import all_finite
-from kaisa.shards import is_sharded, rows_of
+from kaisa.utils.finite import all_finite
+from kaisa.utils.shards import is_sharded, rows_of
 
 __all__ = ["guarded_directions", "parameter_directions", "write_preconditioned"]
 

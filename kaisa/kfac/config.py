@@ -1,7 +1,7 @@
 """The validated configuration of :class:`kaisa.KFAC`: its own arguments and the core's.
 
 :class:`KFACOptimizerConfig` holds the optimizer's arguments (loss, curvature source,
-step-size and damping rules) and a nested :class:`~kaisa.config.KFACConfig` for the
+step-size and damping rules) and a nested :class:`~kaisa.core.config.KFACConfig` for the
 curvature core (the keyword arguments KFAC passes through). The defaults of the nested
 configuration depend on the mode, and are decided here, in one place:
 
@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from kaisa.amp import LossScaling
-from kaisa.config import KFACConfig
-from kaisa.enums import parse_enum
-from kaisa.losses import Loss, LossKind, Reduction
+from kaisa.core.config import KFACConfig
+from kaisa.kfac.amp import LossScaling
+from kaisa.kfac.losses import Loss, LossKind, Reduction
+from kaisa.utils.enums import parse_enum
 
 __all__ = [
     "ADAPTIVE",

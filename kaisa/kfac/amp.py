@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kaisa.finite import all_finite
-from kaisa.hooks import loss_scale
+from kaisa.core.hooks import loss_scale
+from kaisa.utils.finite import all_finite
 
 __all__ = ["HALF", "LossScaling", "full_precision_outputs"]
 

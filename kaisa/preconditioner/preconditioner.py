@@ -1,9 +1,9 @@
 """The K-FAC preconditioner: kfac-pytorch's API around the curvature core.
 
 :class:`KFACPreconditioner` owns the hyperparameter schedules and the step counter, runs
-the core's phases (:class:`~kaisa.curvature.KFACCurvature`: factors, decompositions,
+the core's phases (:class:`~kaisa.core.curvature.KFACCurvature`: factors, decompositions,
 preconditioning) when they are due, and writes the preconditioned gradients back with
-KL clipping (:mod:`kaisa.clipping`). See ``docs/architecture.md``.
+KL clipping (:mod:`kaisa.core.clipping`). See ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from kaisa.blocks import CurvatureBlock
-from kaisa.clipping import write_preconditioned
-from kaisa.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
-from kaisa.curvature import KFACCurvature
+from kaisa.core.clipping import write_preconditioned
+from kaisa.core.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
+from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed import Communicator, FactorSize, MemoryEstimate, Placement
-from kaisa.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
-from kaisa.hyperparams import Schedule, Schedules, check_count
+from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
+from kaisa.utils.hyperparams import Schedule, Schedules, check_count
 
 __all__ = ["KFACPreconditioner"]
 
@@ -147,7 +147,7 @@ class KFACPreconditioner:
         """Replaces hyperparameter ``name`` (a number or a callable of the step).
 
         The value is checked like the constructor argument; checkpoints save it when it
-        is a number. :class:`kaisa.scheduler.LambdaParamScheduler` uses this.
+        is a number. :class:`kaisa.preconditioner.scheduler.LambdaParamScheduler` uses this.
 
         Args:
             name: The hyperparameter (see :meth:`schedule`).
@@ -237,7 +237,7 @@ class KFACPreconditioner:
         """``{parameter name: block kind or 'first-order'}`` for every trainable parameter.
 
         The preconditioner leaves first-order gradients as they are (see
-        :meth:`kaisa.curvature.KFACCurvature.coverage`).
+        :meth:`kaisa.core.curvature.KFACCurvature.coverage`).
         """
         return self._curvature.coverage()
 
