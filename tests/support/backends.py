@@ -99,30 +99,28 @@ class Backend:
         return results
 
     @contextlib.contextmanager
-    def solver_nan_garbage(self, garbage: bool) -> Iterator[None]:
+    def _emulator_setting(self, setter: Callable[[Any], Any], value: Any) -> Iterator[None]:
+        """Runs the block with an emulator setting (``setter`` returns the old value, which
+        is restored afterwards); a no-op on a GPU."""
+        if not self.emulated:
+            yield
+            return
+        before = setter(value)
+        try:
+            yield
+        finally:
+            setter(before)
+
+    def solver_nan_garbage(self, garbage: bool) -> contextlib.AbstractContextManager[None]:
         """Under the emulator: the solvers' results for a non-finite matrix are NaN, or
         finite and wrong with info 0 (``garbage``: what syevjBatched gave on an H100).
         A no-op on a GPU (the real solver's behaviour is the one case there)."""
-        if not self.emulated:
-            yield
-            return
-        before = torch.ops.simt.set_nonfinite_garbage(garbage)
-        try:
-            yield
-        finally:
-            torch.ops.simt.set_nonfinite_garbage(before)
+        return self._emulator_setting(  # the op exists only where the emulator is built
+            lambda on: torch.ops.simt.set_nonfinite_garbage(on), garbage)
 
-    @contextlib.contextmanager
-    def schedule(self, schedule: int) -> Iterator[None]:
+    def schedule(self, schedule: int) -> contextlib.AbstractContextManager[None]:
         """Runs the block under the emulator's ``schedule`` (a no-op on a GPU)."""
-        if not self.emulated:
-            yield
-            return
-        previous = torch.ops.simt.set_schedule(schedule)
-        try:
-            yield
-        finally:
-            torch.ops.simt.set_schedule(previous)
+        return self._emulator_setting(lambda s: torch.ops.simt.set_schedule(s), schedule)
 
     def launches(self, kernel: str) -> list[tuple[int, int, int]]:
         """Grids of the launches of ``kernel`` since the last run (emulator only)."""
