@@ -297,4 +297,26 @@ def test_a_malformed_generator_loads_nothing(generator: object) -> None:
         opt.load_state_dict(state)
     assert opt.steps == 2
     _states_equal(before, opt.state_dict())
+    gathered = opt.state_dict(gather=True)
+    for every in ([generator], [], [gathered["kaisa"]["generator"]] * 2, generator):
+        gathered["kaisa"]["generators"] = every
+        gathered["kaisa"]["steps"] = 7
+        with pytest.raises(ValueError, match="generator"):
+            opt.load_state_dict(gathered)
+        assert opt.steps == 2
+        _states_equal(before, opt.state_dict())
     opt.load_state_dict(good)  # the unchanged state still loads
+
+
+def test_a_gathered_state_holds_every_ranks_generator() -> None:
+    model = _net()
+    opt = kaisa.EKFAC(model, lr=1e-2, factor_rows=4)
+    _train(model, opt, 0)
+    state = opt.state_dict(gather=True)
+    mine = opt.row_generator.get_state()
+    assert len(state["kaisa"]["generators"]) == 1
+    assert torch.equal(state["kaisa"]["generators"][0], mine)
+    again = kaisa.EKFAC(_net(), lr=1e-2, factor_rows=4)
+    state["kaisa"]["generator"] = torch.Generator().manual_seed(9).get_state()  # not used
+    again.load_state_dict(state)
+    assert torch.equal(again.row_generator.get_state(), mine)

@@ -298,8 +298,9 @@ class EKFAC(torch.optim.Optimizer):
 
         torch's part holds AdamW's state per parameter (the step counts only, for a
         block's); ``'kaisa'`` the step and refresh counters, the schedules' numbers, the
-        row generator's state (``'generator'``, this rank's) and per block the factors,
-        bases and moments.
+        row generator's state (``'generator'``, this rank's; with ``gather``, also
+        ``'generators'``, every rank's by rank) and per block the factors, bases and
+        moments.
 
         Args:
             gather: Also the bases and moments this rank does not hold (MEM-OPT,
@@ -313,6 +314,8 @@ class EKFAC(torch.optim.Optimizer):
         state["kaisa"] = {"steps": self.steps, "refreshes": self.refreshes,
                           "generator": self.row_generator.get_state(),
                           **self._schedules.state_dict()}
+        if gather:
+            state["kaisa"]["generators"] = _gathered(state["kaisa"]["generator"])
         if include_factors:
             state["kaisa"]["layers"] = self.curvature.state_dict(gather=gather)
         return state
@@ -320,8 +323,10 @@ class EKFAC(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` output (bit-exact resume).
 
-        A state without ``'generator'`` (saved before row subsampling existed) leaves
-        the row generator as it is.
+        The row generator takes ``'generators'``' entry of this rank when the state has
+        one per rank (``state_dict(gather=True)``, e.g. rank 0's loaded on every rank),
+        else ``'generator'``; a state with neither (saved before row subsampling
+        existed) leaves it as it is.
 
         Raises:
             ValueError: If the state is malformed or belongs to another model; the
@@ -336,9 +341,7 @@ class EKFAC(torch.optim.Optimizer):
             what="loaded EKFAC state")
         steps, refreshes = (check_count(name, value) for name, value in counters.items())
         self._schedules.check_state_dict(extra)
-        generator = extra.get("generator")
-        if generator is not None:
-            check_generator_state(generator)
+        generator = _saved_generator(extra)
         layers = extra.get("layers")
         self.curvature.check_state_dict(layers)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
@@ -359,6 +362,42 @@ def check_generator_state(state: object) -> None:
         torch.Generator().set_state(state)
     except (TypeError, RuntimeError, ValueError) as err:
         raise ValueError(f"state_dict generator is not a generator state ({err})") from None
+
+
+def _saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:
+    """This rank's row-generator state in a ``'kaisa'`` state (checked), or ``None``."""
+    every = extra.get("generators")
+    if every is not None:
+        world = _world_size()
+        if not isinstance(every, list | tuple) or len(every) != world:
+            raise ValueError(f"state_dict generators must be a list of {world} generator "
+                             f"states (one per rank), got {type(every).__name__}"
+                             + (f" of {len(every)}" if isinstance(every, list | tuple) else ""))
+        for state in every:
+            check_generator_state(state)
+    generator = extra.get("generator")
+    if generator is not None:
+        check_generator_state(generator)
+    if every is not None:
+        mine = every[_rank()]
+        assert isinstance(mine, torch.Tensor)
+        return mine
+    return generator
+
+
+def _gathered(state: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``state``, by rank (a collective when ``torch.distributed`` runs)."""
+    world = _world_size()
+    if world == 1:
+        return [state]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, state)
+    return [t.clone() for t in out]
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _rank() -> int:
