@@ -38,7 +38,8 @@ def _ekfac(model: torch.nn.Module, cfg: dict[str, Any]) -> kaisa.EKFAC:
     # lr / eps where a coordinate r is near zero (1.5e-10 on the embedding with 1e-8)
     return kaisa.EKFAC(model, lr=1e-2, eps=1e-6, weight_decay=0.1, factor_update_steps=1,
                        basis_update_steps=2, basis_refresh=cfg["refresh"], eigh_every=2,
-                       grad_worker_fraction=cfg["strategy"])
+                       grad_worker_fraction=cfg["strategy"],
+                       factor_rows=cfg.get("factor_rows"))
 
 
 def _loss(net: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -115,9 +116,13 @@ RESUME_AT, RESUME_STEPS = 3, 3
 
 
 def _resume_job(rank: int, world: int) -> dict[str, Any]:
-    """Rank 0's ``state_dict(gather=True)`` after RESUME_AT steps resumes every rank."""
+    """Rank 0's ``state_dict(gather=True)`` after RESUME_AT steps resumes every rank.
+
+    With ``factor_rows``: each rank's row generator (seeded ``seed + rank``) resumes from
+    its own state in rank 0's gathered state dict.
+    """
     torch.set_default_dtype(torch.float64)
-    cfg = dict(strategy="mem_opt", refresh="qr")
+    cfg = dict(strategy="mem_opt", refresh="qr", factor_rows=5)
 
     def build() -> tuple[torch.nn.Module, torch.nn.Module, kaisa.EKFAC]:
         model = _gpt()
@@ -147,7 +152,8 @@ def _resume_job(rank: int, world: int) -> dict[str, Any]:
         resumed.append(_snapshot(model))
     layers = saved[0]["opt"]["kaisa"]["layers"]
     return {"whole": whole, "resumed": resumed, "blocks": sorted(again.curvature.blocks),
-            "saved_moments": sorted(n for n, s in layers.items() if "exp_avg" in s)}
+            "saved_moments": sorted(n for n, s in layers.items() if "exp_avg" in s),
+            "generators": (opt.row_generator.get_state(), again.row_generator.get_state())}
 
 
 @_QUIET
@@ -159,3 +165,6 @@ def test_ekfac_resumes_bit_exactly_from_rank_zeros_gathered_state() -> None:
         assert got["saved_moments"] == got["blocks"], got  # every block's, in rank 0's state
         for a, b in zip(got["whole"], got["resumed"], strict=True):
             assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), r
+        assert torch.equal(*got["generators"]), r
+    # each rank drew its own rows (seed + rank) and resumed its own generator
+    assert not torch.equal(results[0]["generators"][0], results[1]["generators"][0])

@@ -67,6 +67,8 @@ def register_blocks(
     kfac_approx: KFACApprox = KFACApprox.EXPAND,
     kinds: Sequence[str] | None = None,
     cross_attention: tuple[re.Pattern[str], ...] | None = None,
+    factor_rows: int | None = None,
+    row_generator: torch.Generator | None = None,
 ) -> dict[str, CurvatureBlock]:
     """Wraps every supported, trainable module of ``model`` not matched by ``skip``.
 
@@ -79,6 +81,9 @@ def register_blocks(
         kinds: The kind names to register (``None``: every kind).
         cross_attention: Names of the ``nn.MultiheadAttention`` in the cross-attention
             layout (``None``: every ``nn.TransformerDecoderLayer.multihead_attn``).
+        factor_rows: Rows each call of a plain Linear block keeps for its statistics (a
+            random subset; ``None``: every row).
+        row_generator: The CPU generator of the row subsets (needed with ``factor_rows``).
 
     Returns:
         ``name -> block`` in model order (a module may give several blocks). A block is
@@ -115,7 +120,8 @@ def register_blocks(
         cls_name = type(module).__name__
         if any(r.search(name) or r.search(cls_name) for r in skip):
             continue
-        options = BlockOptions(factor_dtype, kfac_approx, cross_attention=id(module) in cross)
+        options = BlockOptions(factor_dtype, kfac_approx, cross_attention=id(module) in cross,
+                               factor_rows=factor_rows, row_generator=row_generator)
         made = _kept(kind.build(name, module, options), skip)
         if not made:
             continue

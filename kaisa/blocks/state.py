@@ -41,6 +41,9 @@ class BatchStatistics:
     #: Output gradients with the divisor each is unscaled by and its call site.
     saved_grads: list[tuple[torch.Tensor, float | torch.Tensor, int]] = field(
         default_factory=list)
+    #: Row subsets drawn by forward calls whose backward has not used them yet, per call
+    #: site, last drawn last (``None``: the call used every row). ``factor_rows`` only.
+    row_draws: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
 
     def add_a(self, a_batch: torch.Tensor) -> None:
         """Adds one micro-batch A factor."""
@@ -75,6 +78,7 @@ class BatchStatistics:
         self.take()
         self.saved_inputs.clear()
         self.saved_grads.clear()
+        self.row_draws.clear()
 
 
 @dataclass(frozen=True)
@@ -85,11 +89,17 @@ class BlockOptions:
         factor_dtype: Factor dtype, ``None`` to follow the activations (>= fp32).
         kfac_approx: Expand or reduce over shared dimensions.
         cross_attention: Whether this module is cross-attention (attention kinds).
+        factor_rows: Rows each call of a plain Linear block's statistics keeps (a random
+            subset, ``docs/conventions.md``), ``None`` for every row.
+        row_generator: The CPU generator the row subsets are drawn from (with
+            ``factor_rows``).
     """
 
     factor_dtype: torch.dtype | None = None
     kfac_approx: KFACApprox = KFACApprox.EXPAND
     cross_attention: bool = False
+    factor_rows: int | None = None
+    row_generator: torch.Generator | None = None
 
 
 @dataclass

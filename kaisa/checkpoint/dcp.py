@@ -14,6 +14,8 @@ A checkpoint holds three parts, keyed by names that do not depend on the world s
   the product, its blocks (name, kind, dims), the step counters and the schedules'
   numbers (and :class:`kaisa.KFAC`'s damping); ``'kfac.generator'`` KFAC's Monte-Carlo
   sampler's state (the same on every rank, written by rank 0);
+  ``'kfac.generators.<rank>'`` :class:`kaisa.EKFAC`'s row generator of each rank (seeded
+  ``seed + rank``; a rank with none saved, at another world size, keeps its own);
   ``'kfac.layers.<block>.<entry>'`` the tensors. Each rank contributes only
   what the placement makes it the owner of: a block's ``A`` factor (and its skip count)
   by the rank that decomposes it, ``G`` likewise, the decompositions (eigenbases,
@@ -68,7 +70,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from kaisa.checkpoint import optim as checkpoint_optim
 from kaisa.core.curvature import KFACCurvature
-from kaisa.ekfac.optimizer import EKFAC
+from kaisa.ekfac.optimizer import EKFAC, check_generator_state
 from kaisa.kfac.optimizer import KFAC
 from kaisa.preconditioner.preconditioner import KFACPreconditioner
 from kaisa.utils.finite import all_finite
@@ -114,13 +116,15 @@ def _layer_list(core: KFACCurvature) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def _counters(owner: Owner) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """The counters (no tensors) and KFAC's Monte-Carlo sampler's state.
+    """The counters (no tensors) and the product's generator state.
 
-    Counters: steps, refreshes, the schedules' numbers, KFAC's damping. The sampler's
-    state is ``None`` for the other owners.
+    Counters: steps, refreshes, the schedules' numbers, KFAC's damping. The generator:
+    KFAC's Monte-Carlo sampler's, EKFAC's row generator (this rank's); ``None`` for a
+    preconditioner.
     """
     if isinstance(owner, EKFAC):
-        return owner.state_dict(include_factors=False)["kaisa"], None
+        counters = dict(owner.state_dict(include_factors=False)["kaisa"])
+        return counters, counters.pop("generator")
     if not isinstance(owner, KFAC):
         return owner.state_dict(include_factors=False), None
     extra = owner.state_dict()["kaisa"]  # this rank's blocks, not copied: cheap
@@ -157,7 +161,8 @@ def kfac_state_dict(owner: Owner) -> dict[str, Any]:
         ``'layers'`` holds only the
         entries this rank owns (see the module docstring), the tensors themselves (not
         copies: save them before the next step). For :class:`~kaisa.KFAC` rank 0 adds
-        ``'generator'``, the Monte-Carlo sampler's state.
+        ``'generator'``, the Monte-Carlo sampler's state; for :class:`~kaisa.EKFAC` each
+        rank adds ``'generators': {rank: state}``, its row generator's.
     """
     core = _core(owner)
     rank = core.engine.rank
@@ -173,7 +178,9 @@ def kfac_state_dict(owner: Owner) -> dict[str, Any]:
     meta = {"format": FORMAT, "product": type(owner).__name__, "layers": _layer_list(core),
             "state": counters}
     out: dict[str, Any] = {"meta": json.dumps(meta), "layers": layers}
-    if generator is not None and rank == 0:  # the same on every rank: one copy
+    if isinstance(owner, EKFAC):  # seeded seed + rank: one per rank
+        out["generators"] = {str(rank): generator}
+    elif generator is not None and rank == 0:  # the same on every rank: one copy
         out["generator"] = generator
     return out
 
@@ -355,11 +362,19 @@ def load(
     generator = saved.get("kfac.generator")
     if isinstance(owner, KFAC) and isinstance(generator, TensorStorageMetadata):
         kfac["generator"] = torch.empty(generator.size, dtype=generator.properties.dtype)
+    rows = saved.get(f"kfac.generators.{core.engine.rank}")
+    if isinstance(owner, EKFAC) and isinstance(rows, TensorStorageMetadata):
+        # This rank's row generator; none saved for it (another world size): kept as is.
+        kfac["generators"] = {str(core.engine.rank): torch.empty(
+            rows.size, dtype=rows.properties.dtype)}
     dcp_load({"kfac": kfac}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     layers = kfac["layers"]
+    row_state = kfac.get("generators", {}).get(str(core.engine.rank))
     try:
         counters, error = _check_meta(owner, kfac["meta"]), None
         core.check_state_dict(layers)
+        if row_state is not None:
+            check_generator_state(row_state)
     except ValueError as err:
         error = str(err)
     # A rank may read entries another does not (its gradient-worker blocks): all or none.
@@ -376,7 +391,8 @@ def load(
     dcp_load(rest, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     set_model_state_dict(model, rest["model"])
     if isinstance(optimizer, EKFAC):
-        _ekfac_load(model, optimizer, rest["optim"], {**counters, "layers": layers})
+        _ekfac_load(model, optimizer, rest["optim"],
+                    {**counters, "layers": layers, "generator": row_state})
         return
     set_optimizer_state_dict(model, optimizer, rest["optim"])
     assert preconditioner is not None

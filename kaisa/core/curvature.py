@@ -70,6 +70,10 @@ class KFACCurvature:
         settings: The product's own settings every rank must share.
         method: The second-order method (default: ``config.compute_method``'s); a product
             whose rule keeps state with the decompositions brings its own.
+        factor_rows: Rows each call of a plain Linear block keeps for its statistics (a
+            random subset, ``docs/conventions.md``; ``None``: every row). Needs
+            ``config.update_factors_in_hook``.
+        row_generator: The product's CPU generator the subsets are drawn from.
 
     Raises:
         ValueError: If the model has no supported block.
@@ -83,12 +87,18 @@ class KFACCurvature:
         stacklevel: int = 2,
         settings: Mapping[str, object] | None = None,
         method: SecondOrderMethod | None = None,
+        factor_rows: int | None = None,
+        row_generator: torch.Generator | None = None,
     ) -> None:
+        if factor_rows is not None and not config.update_factors_in_hook:
+            raise ValueError("factor_rows needs update_factors_in_hook=True (the row subsets "
+                             "are drawn in the hooks)")
         self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
         self._warned_silent: set[str] = set()
         blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype,
                                  kfac_approx=config.kfac_approx, kinds=config.layer_kinds,
-                                 cross_attention=config.cross_attention_patterns)
+                                 cross_attention=config.cross_attention_patterns,
+                                 factor_rows=factor_rows, row_generator=row_generator)
         # Before anything a rank could refuse alone: every rank raises or none does.
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         layers = [(name, b.kind, tuple(b.dims)) for name, b in blocks.items()]
@@ -314,7 +324,9 @@ class KFACCurvature:
             return out
 
     def end_step(self) -> None:
-        """Ends a step: the recorder's per-step counters restart."""
+        """Ends a step: the recorder's per-step counters restart (and unused row draws go)."""
+        for block in self._blocks.values():
+            block.stats.row_draws.clear()
         self._recorder.end_step()
 
     def discard(self) -> None:

@@ -30,7 +30,9 @@ from kaisa.utils.dtypes import working_dtype
 from kaisa.utils.enums import ComputeMethod, parse_enum
 from kaisa.utils.hyperparams import check_int
 
-__all__ = ["KRONECKER_KINDS", "BasisRefresh", "EKFACConfig", "check_adam_group"]
+__all__ = [
+    "KRONECKER_KINDS", "BasisRefresh", "EKFACConfig", "check_adam_group", "check_factor_rows",
+]
 
 #: The kinds :class:`kaisa.EKFAC` registers by default.
 KRONECKER_KINDS = ("linear", "conv2d", "conv1d", "embedding", "attention")
@@ -67,6 +69,14 @@ def check_adam_group(group: dict[str, Any], where: str = "") -> None:
         raise ValueError(f"betas{where} must be two numbers in [0, 1), got {betas!r}")
 
 
+def check_factor_rows(value: object) -> None:
+    """Raises ``ValueError`` unless ``value`` is ``None`` or an int ``>= 1`` (not a bool)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"factor_rows must be None or an integer >= 1, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EKFACConfig:
     """Every :class:`kaisa.EKFAC` argument except the model and its param groups, validated.
@@ -78,6 +88,9 @@ class EKFACConfig:
         weight_decay: Default decoupled weight decay.
         basis_refresh: How bases are refreshed.
         eigh_every: With ``'qr'``, every how many refreshes one is a full ``eigh``.
+        factor_rows: Rows each call of a Linear block keeps for its factors (a random
+            subset), ``None`` for every row.
+        seed: Seed of the row generator (``seed + rank`` on each rank).
         kfac: The curvature core's configuration.
     """
 
@@ -87,6 +100,8 @@ class EKFACConfig:
     weight_decay: float
     basis_refresh: BasisRefresh
     eigh_every: int
+    factor_rows: int | None
+    seed: int
     kfac: KFACConfig
 
     @classmethod
@@ -103,6 +118,8 @@ class EKFACConfig:
         inv_dtype: torch.dtype | None,
         layer_kinds: str | tuple[str, ...],
         weight_dtype: torch.dtype,
+        factor_rows: int | None = None,
+        seed: int = 0,
         **core: Any,
     ) -> EKFACConfig:
         """Validates the arguments (a ``ValueError`` naming the first bad one).
@@ -119,12 +136,20 @@ class EKFACConfig:
                 working dtype.
             layer_kinds: The kinds to register (diagonal kinds dropped).
             weight_dtype: The parameters' dtype.
+            factor_rows: ``None`` or an int ``>= 1`` (needs ``update_factors_in_hook``).
+            seed: An int (not a bool).
             **core: The other :class:`~kaisa.core.config.KFACConfig` keywords.
         """
         check_adam_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         check_int("eigh_every", eigh_every)
         if callable(eigh_every):
             raise ValueError("eigh_every must be an integer >= 1")
+        check_factor_rows(factor_rows)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        if factor_rows is not None and not core.get("update_factors_in_hook", True):
+            raise ValueError("factor_rows needs update_factors_in_hook=True (the row subsets "
+                             "are drawn in the hooks)")
         kfac = KFACConfig(
             inv_update_steps=basis_update_steps,
             compute_method=ComputeMethod.EIGEN,
@@ -137,13 +162,14 @@ class EKFACConfig:
         return cls(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
                    weight_decay=float(weight_decay),
                    basis_refresh=parse_enum(BasisRefresh, basis_refresh, "basis_refresh"),
-                   eigh_every=eigh_every, kfac=kfac)
+                   eigh_every=eigh_every, factor_rows=factor_rows, seed=seed, kfac=kfac)
 
     def settings(self) -> dict[str, object]:
         """The settings every rank must share, beyond the core's."""
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
                 "lr": self.lr, "basis_refresh": self.basis_refresh.value,
-                "eigh_every": self.eigh_every}
+                "eigh_every": self.eigh_every, "factor_rows": self.factor_rows,
+                "seed": self.seed}
 
     @property
     def warm_start(self) -> bool:

@@ -67,6 +67,16 @@ class EKFAC(torch.optim.Optimizer):
             every ``eigh_every``-th refresh) or ``'eigh'`` (always a full one).
         eigh_every: See ``basis_refresh``.
         kfac_approx: Linear blocks on sequences: ``'expand'`` or ``'reduce'``.
+        factor_rows: Row-subsampled factor statistics: each call of a Linear block
+            (``nn.Linear``; not attention, convolutions or embeddings) with more rows than
+            ``factor_rows`` computes its ``A`` and ``G`` from ``factor_rows`` of them drawn
+            at random, the same rows for both (an unbiased estimate of the full factors,
+            ``docs/conventions.md``, "Row-subsampled factor statistics"); ``None`` (the
+            default) keeps every row. An int ``>= 1``; needs
+            ``update_factors_in_hook=True``.
+        seed: Seed of the generator the row subsets are drawn from (a CPU
+            ``torch.Generator`` seeded ``seed + rank``; its state is in
+            :meth:`state_dict`).
         layer_kinds: The block kinds to register (``'all'``: every Kronecker kind).
         skip_layers: Module names or class names (regular expressions) not to register.
         factor_dtype: Factor dtype (``None``: the activations', at least float32).
@@ -107,6 +117,8 @@ class EKFAC(torch.optim.Optimizer):
         basis_refresh: BasisRefresh | str = BasisRefresh.EIGH,
         eigh_every: int = 10,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        factor_rows: int | None = None,
+        seed: int = 0,
         layer_kinds: str | tuple[str, ...] = KRONECKER_KINDS,
         skip_layers: str | list[str] | None = None,
         factor_dtype: torch.dtype | None = None,
@@ -136,7 +148,8 @@ class EKFAC(torch.optim.Optimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             basis_update_steps=basis_update_steps, basis_refresh=basis_refresh,
             eigh_every=eigh_every, inv_dtype=inv_dtype, layer_kinds=layer_kinds,
-            weight_dtype=params[0].dtype if params else torch.float32, **core,
+            weight_dtype=params[0].dtype if params else torch.float32,
+            factor_rows=factor_rows, seed=seed, **core,
         )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(_groups(params, param_groups), defaults)
@@ -146,8 +159,12 @@ class EKFAC(torch.optim.Optimizer):
                                      "basis_update_steps": basis_update_steps,
                                      "factor_decay": factor_decay})
         self._method = EigenAdamMethod()
+        #: The row subsets' generator (``factor_rows``): advanced only by their draws.
+        self.row_generator = torch.Generator().manual_seed(config.seed + _rank())
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2,
-                                       settings=config.settings(), method=self._method)
+                                       settings=config.settings(), method=self._method,
+                                       factor_rows=config.factor_rows,
+                                       row_generator=self.row_generator)
         self._kron = [b for b in self.curvature.blocks.values() if not b.diagonal]
         self._covered = {id(p) for b in self._kron for p in b.parameters()}
         #: Steps taken (:meth:`step` calls, overflowed ones included).
@@ -280,8 +297,10 @@ class EKFAC(torch.optim.Optimizer):
         """The optimizer state of torch, and the curvature's under ``'kaisa'``.
 
         torch's part holds AdamW's state per parameter (the step counts only, for a
-        block's); ``'kaisa'`` the step and refresh counters, the schedules' numbers and per
-        block the factors, bases and moments.
+        block's); ``'kaisa'`` the step and refresh counters, the schedules' numbers, the
+        row generator's state (``'generator'``, this rank's; with ``gather``, also
+        ``'generators'``, every rank's by rank) and per block the factors, bases and
+        moments.
 
         Args:
             gather: Also the bases and moments this rank does not hold (MEM-OPT,
@@ -293,13 +312,21 @@ class EKFAC(torch.optim.Optimizer):
         """
         state = super().state_dict()
         state["kaisa"] = {"steps": self.steps, "refreshes": self.refreshes,
+                          "generator": self.row_generator.get_state(),
                           **self._schedules.state_dict()}
+        if gather:
+            state["kaisa"]["generators"] = _gathered(state["kaisa"]["generator"])
         if include_factors:
             state["kaisa"]["layers"] = self.curvature.state_dict(gather=gather)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` output (bit-exact resume).
+
+        The row generator takes ``'generators'``' entry of this rank when the state has
+        one per rank (``state_dict(gather=True)``, e.g. rank 0's loaded on every rank),
+        else ``'generator'``; a state with neither (saved before row subsampling
+        existed) leaves it as it is.
 
         Raises:
             ValueError: If the state is malformed or belongs to another model; the
@@ -314,14 +341,69 @@ class EKFAC(torch.optim.Optimizer):
             what="loaded EKFAC state")
         steps, refreshes = (check_count(name, value) for name, value in counters.items())
         self._schedules.check_state_dict(extra)
+        generator = _saved_generator(extra)
         layers = extra.get("layers")
         self.curvature.check_state_dict(layers)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
         self.steps, self.refreshes = steps, refreshes
+        if generator is not None:
+            self.row_generator.set_state(generator)
         self._schedules.load_state_dict(extra)
         assert layers is not None
         self.curvature.load_state_dict(layers, damping=0.0)
         self._arm()
+
+
+def check_generator_state(state: object) -> None:
+    """Raises ``ValueError`` unless ``state`` is a CPU ``torch.Generator``'s state."""
+    try:
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"got {type(state).__name__}")
+        torch.Generator().set_state(state)
+    except (TypeError, RuntimeError, ValueError) as err:
+        raise ValueError(f"state_dict generator is not a generator state ({err})") from None
+
+
+def _saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:
+    """This rank's row-generator state in a ``'kaisa'`` state (checked), or ``None``."""
+    every = extra.get("generators")
+    if every is not None:
+        world = _world_size()
+        if not isinstance(every, list | tuple) or len(every) != world:
+            raise ValueError(f"state_dict generators must be a list of {world} generator "
+                             f"states (one per rank), got {type(every).__name__}"
+                             + (f" of {len(every)}" if isinstance(every, list | tuple) else ""))
+        for state in every:
+            check_generator_state(state)
+    generator = extra.get("generator")
+    if generator is not None:
+        check_generator_state(generator)
+    if every is not None:
+        mine = every[_rank()]
+        assert isinstance(mine, torch.Tensor)
+        return mine
+    return generator
+
+
+def _gathered(state: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``state``, by rank (a collective when ``torch.distributed`` runs)."""
+    world = _world_size()
+    if world == 1:
+        return [state]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, state)
+    return [t.clone() for t in out]
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    """This process's rank (0 without an initialised ``torch.distributed``)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _groups(
