@@ -110,7 +110,8 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh(const at::Tensor& a) {
 // The status form: a matrix whose LAPACK call fails gets info 1 and NaN
 // results instead of an exception (the CPU kernel does not see LAPACK's own
 // code); the status is (B, 2) int32 [info, non-finite] as on the GPU
-// (csrc/SCHEMAS.md), non-finite also where the input matrix has a non-finite entry. Each matrix is decomposed alone, in parallel.
+// (csrc/SCHEMAS.md), non-finite also where the input matrix has a non-finite entry.
+// Each matrix is decomposed alone, in parallel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batched_eigh_status(const at::Tensor& a_in) {
   check_device_type(a_in, c10::DeviceType::CPU, "batched_eigh_status", "a");
   check_batched_eigh_args(a_in);

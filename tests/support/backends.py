@@ -113,7 +113,8 @@ class Backend:
 
     def solver_nan_garbage(self, garbage: bool) -> contextlib.AbstractContextManager[None]:
         """Under the emulator: the solvers' results for a non-finite matrix are NaN, or
-        finite and wrong with info 0 (``garbage``: what syevjBatched gave on an H100).
+        finite and wrong with info 0 (``garbage``: a solver that does not report it;
+        on an H100, syevjBatched's status did not flag a NaN matrix).
         A no-op on a GPU (the real solver's behaviour is the one case there)."""
         return self._emulator_setting(  # the op exists only where the emulator is built
             lambda on: torch.ops.simt.set_nonfinite_garbage(on), garbage)

@@ -17,8 +17,9 @@
 // matrix with a non-finite entry in its triangle gives NaN eigenvalues and
 // vectors with info 0 (syevd, XsyevBatched) or info n + 1 (syevjBatched);
 // torch.ops.simt.set_nonfinite_garbage(True) makes every routine return finite,
-// wrong results with info 0 for such a matrix instead (what syevjBatched did on an
-// H100); unsorted syevj eigenvalues (sort_eig = 0) come out descending; the
+// wrong results with info 0 for such a matrix instead (a solver that does not report
+// it: on an H100, syevjBatched's status did not flag a NaN matrix);
+// unsorted syevj eigenvalues (sort_eig = 0) come out descending; the
 // workspace sizes are LAPACK's syevd size 1 + 6n + 2n^2 per matrix.
 // torch.ops.simt.inject_solver_info makes a call report a chosen info code.
 #include <cusolverDn.h>
