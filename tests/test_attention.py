@@ -13,6 +13,7 @@ import copy
 import math
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -287,15 +288,21 @@ def test_self_attention_called_as_cross_attention_records_nothing_and_warns_once
     model = _Attend(nn.MultiheadAttention(E, H, batch_first=True))
     pre = kaisa.KFACPreconditioner(model, layer_kinds=("attention",))
     x, mem = _inputs(True, src=L), _inputs(True, src=S)
+    model(x, x, x).sum().backward()  # the first call decides: self-attention
+    pre.step()
+    a_before = pre.layers["attn.in_proj"].a
+    assert a_before is not None
+    a_before = a_before.clone()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             model(x, mem, mem).sum().backward()
             pre.step()
-    mismatch = [w for w in caught if "registered as self-attention" in str(w.message)]
+    mismatch = [w for w in caught if "has the self-attention layout" in str(w.message)]
     assert len(mismatch) == 1
     assert "cross_attention=['^attn$']" in str(mismatch[0].message)
-    assert pre.layers["attn.in_proj"].a is None and pre.layers["attn.out_proj"].a is not None
+    assert list(pre.layers) == ["attn.in_proj", "attn.out_proj"]
+    assert torch.equal(pre.layers["attn.in_proj"].a, a_before)  # nothing recorded since
     # a self-attention call of a cross-attention layout is exact: the same rows, same X
     cross = _Attend(copy.deepcopy(model.attn))
     pre = _step(cross, (x, x, x), {}, cross_attention=["attn"])
@@ -304,6 +311,77 @@ def test_self_attention_called_as_cross_attention_records_nothing_and_warns_once
         a, g = _factors(pre, f"attn.{name}")
         torch.testing.assert_close(a, _a(rec.inputs[key], True), **TIGHT)
         torch.testing.assert_close(g, _g(rec.grad(key)), **TIGHT)
+
+
+class _SelfThenCross(nn.Module):
+    """A self-attention MHA, then one attending from its output to a memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(E, H, batch_first=True)
+        self.cross = nn.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn(x, x, x, need_weights=False)[0] + x
+        return self.cross(h, mem, mem, need_weights=False)[0]  # type: ignore[no-any-return]
+
+
+def _self_then_cross_run(make: Callable[[nn.Module], kaisa.EKFAC | kaisa.KFACPreconditioner],
+                         steps: int = 3) -> tuple[nn.Module, object]:
+    torch.manual_seed(12)
+    model = _SelfThenCross().double()
+    product = make(model)
+    x, mem = _inputs(True, src=L).double(), _inputs(True, src=S).double()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model.zero_grad()
+        model(x, mem).square().sum().backward()
+        if isinstance(product, kaisa.KFACPreconditioner):
+            product.step()
+            sgd.step()
+        else:
+            product.step()
+    return model, product
+
+
+@pytest.mark.parametrize("product", ["preconditioner", "ekfac"])
+def test_cross_attention_is_detected_at_the_first_call_exactly_as_declared(product: str) -> None:
+    def make(patterns: list[str] | None) -> Callable[[nn.Module],
+                                                     kaisa.EKFAC | kaisa.KFACPreconditioner]:
+        def build(model: nn.Module) -> kaisa.EKFAC | kaisa.KFACPreconditioner:
+            if product == "ekfac":
+                return kaisa.EKFAC(model, lr=1e-2, cross_attention=patterns)
+            return kaisa.KFACPreconditioner(model, layer_kinds=("attention",), damping=0.01,
+                                            cross_attention=patterns)
+        return build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no mismatch warning: the call decides the layout
+        detected, auto = _self_then_cross_run(make(None))
+    declared, flagged = _self_then_cross_run(make(["^cross$"]))
+    names = ["self_attn.in_proj", "self_attn.out_proj", "cross.q_proj", "cross.k_proj",
+             "cross.v_proj", "cross.out_proj"]
+    blocks = (auto.layers if isinstance(auto, kaisa.KFACPreconditioner)
+              else auto.curvature.blocks)  # type: ignore[attr-defined]
+    want = (flagged.layers if isinstance(flagged, kaisa.KFACPreconditioner)
+            else flagged.curvature.blocks)  # type: ignore[attr-defined]
+    assert [n for n in blocks if "proj" in n] == names == [n for n in want if "proj" in n]
+    for name in names:
+        assert torch.equal(blocks[name].a, want[name].a), name
+        assert torch.equal(blocks[name].g, want[name].g), name
+    for (n, p), q in zip(detected.named_parameters(), declared.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_cross_attention_patterns_override_the_detection() -> None:
+    model = _Attend(nn.MultiheadAttention(E, H, batch_first=True))
+    pre = kaisa.KFACPreconditioner(model, layer_kinds=("attention",), cross_attention=[])
+    x, mem = _inputs(True, src=L), _inputs(True, src=S)
+    with pytest.warns(RuntimeWarning, match="has the self-attention layout"):
+        model(x, mem, mem).sum().backward()
+    pre.step()
+    assert list(pre.layers) == ["attn.in_proj", "attn.out_proj"]
+    assert pre.layers["attn.in_proj"].a is None
 
 
 # ---------------------------------------------------------------------- preconditioning

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import nn
@@ -67,6 +67,7 @@ def register_blocks(
     kfac_approx: KFACApprox = KFACApprox.EXPAND,
     kinds: Sequence[str] | None = None,
     cross_attention: tuple[re.Pattern[str], ...] | None = None,
+    cross_modules: Collection[int] = (),
     factor_rows: int | None = None,
     row_generator: torch.Generator | None = None,
 ) -> dict[str, CurvatureBlock]:
@@ -81,6 +82,8 @@ def register_blocks(
         kinds: The kind names to register (``None``: every kind).
         cross_attention: Names of the ``nn.MultiheadAttention`` in the cross-attention
             layout (``None``: every ``nn.TransformerDecoderLayer.multihead_attn``).
+        cross_modules: The ``id`` of further MHAs in the cross-attention layout (those
+            whose first call had a query, key and value that are not one tensor).
         factor_rows: Rows each call of a plain Linear block keeps for its statistics (a
             random subset; ``None``: every row).
         row_generator: The CPU generator of the row subsets (needed with ``factor_rows``).
@@ -97,7 +100,7 @@ def register_blocks(
         does, it is first-order with a warning.
     """
     claimed = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    cross = cross_attention_modules(model, cross_attention)
+    cross = cross_attention_modules(model, cross_attention) | set(cross_modules)
     names = {id(m): n for n, m in model.named_modules()}
     pairs = tied_heads(model)  # the head of a tied pair is never a block of its own
     claimed |= {id(head) for _, head in pairs.values()}

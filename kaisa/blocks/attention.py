@@ -25,6 +25,7 @@ Observations inside ``F.multi_head_attention_forward`` arrive sequence-first,
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
@@ -35,7 +36,7 @@ from kaisa.blocks.callsites import CallSite
 from kaisa.blocks.linear import LinearBlock
 from kaisa.utils.enums import KFACApprox
 
-__all__ = ["AttentionBlock", "cross_attention_modules"]
+__all__ = ["AttentionBlock", "cross_attention_modules", "undecided_attention"]
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
@@ -149,13 +150,25 @@ def cross_attention_modules(
             if isinstance(m, nn.MultiheadAttention) and any(p.search(name) for p in patterns)}
 
 
+def undecided_attention(blocks: Mapping[str, CurvatureBlock]) -> list[nn.MultiheadAttention]:
+    """The MHAs registered in the self-attention layout (a block on the packed weight).
+
+    Their first call decides: a query, key and value that are not one tensor make them
+    cross-attention (:class:`kaisa.KFACCurvature` rebuilds their blocks).
+    """
+    return [b.module for b in blocks.values()
+            if isinstance(b, AttentionBlock) and isinstance(b.module, nn.MultiheadAttention)
+            and b.rows is None and b.weight is b.module.in_proj_weight]
+
+
 def _mismatch_message(name: str) -> str:
     pattern = "^" + re.escape(name) + "$"
     return (
-        f"kaisa: nn.MultiheadAttention {name!r} is registered as self-attention (one block "
-        "on its packed in-projection) but was called with a query, key and value that are "
-        "not one tensor: its in-projection records nothing in such calls. Declare it "
-        f"cross-attention with cross_attention=[{pattern!r}] (KFACPreconditioner, "
-        "kaisa.KFAC, KFACConfig; patterns replace the default, which makes every "
-        "nn.TransformerDecoderLayer.multihead_attn cross-attention)"
+        f"kaisa: nn.MultiheadAttention {name!r} has the self-attention layout (one block "
+        "on its packed in-projection: its first call had one tensor as query, key and "
+        "value, or cross_attention patterns left it out) but was called with a query, key "
+        "and value that are not one tensor: its in-projection records nothing in such "
+        f"calls. Declare it cross-attention with cross_attention=[{pattern!r}] "
+        "(KFACPreconditioner, kaisa.KFAC, kaisa.EKFAC, KFACConfig; patterns replace the "
+        "detection at the first call)"
     )

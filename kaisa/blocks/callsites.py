@@ -293,6 +293,7 @@ class FunctionalTap(Generic[K]):
         self._mismatch = mismatch
         self._modes: list[_Mode | None] = []
         self._parts: dict[int, _Parts] = {}
+        self._retired = False
 
     def install(self) -> list[RemovableHandle]:
         """Puts the pre-hook and the (always called) forward hook on the module."""
@@ -311,7 +312,17 @@ class FunctionalTap(Generic[K]):
             self._params[id(weight)] = weight
             self._sites[id(weight)] = sites
 
+    def retire(self) -> None:
+        """Makes a pending pre-hook call a no-op (its hooks are being removed mid-call)."""
+        self._retired = True
+
+    def enter(self) -> None:
+        """What the pre-hook does, for a tap installed while its module's call starts."""
+        self._enter(self._module, ())
+
     def _enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._retired:
+            return
         if not self._modes:
             self._watch()
         mode = _Mode(self) if self._active(module) else None

@@ -94,10 +94,12 @@ class KFACConfig:
             names; stored as a tuple.
         cross_attention: Which ``nn.MultiheadAttention`` modules have the
             cross-attention layout (three in-projection blocks, query and key/value
-            apart; ``docs/conventions.md``): ``None`` for every
-            ``nn.TransformerDecoderLayer.multihead_attn`` (the default), or regular
-            expressions of module names (a string or a list; stored as a tuple) naming
-            exactly those modules. Every other MHA has the self-attention layout.
+            apart; ``docs/conventions.md``): ``None`` (the default) for every
+            ``nn.TransformerDecoderLayer.multihead_attn`` and every other MHA whose
+            first call has a query, key and value that are not one tensor (detected
+            then, before anything is recorded), or regular expressions of module names
+            (a string or a list; stored as a tuple) naming exactly those modules, every
+            other MHA then having the self-attention layout.
         loglevel: Logging level of the informational messages.
         collective_timeout: Seconds a K-FAC collective (factor averages, decomposition
             and gradient broadcasts, control reductions) may wait for its peers before it

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from kaisa.blocks import CurvatureBlock, Preconditioned, RunningFactors, register_blocks
+from kaisa.blocks.attention import undecided_attention
 from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_factor_updates
 from kaisa.core.config import KFACConfig
 from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
@@ -120,19 +121,26 @@ class KFACCurvature:
         for block in blocks.values():
             if not block.diagonal:
                 block.method = self._method
-        weight_dtype = next(iter(blocks.values())).weight.dtype
         self._engine = DistributedEngine(
-            blocks, config.distributed(weight_dtype), self._method, timings=self._timings
+            blocks, config.distributed(_weight_dtype(blocks)), self._method, timings=self._timings
         )
         self._recorder = StatisticsRecorder(
             blocks,
             in_hook=config.update_factors_in_hook,
             grad_scaler=config.grad_scaler,
             accumulation_steps=config.accumulation_steps,
-            on_layer_done=self._engine.layer_done,
-            on_backward_end=self._engine.backward_end,
+            on_layer_done=lambda layer: self._engine.layer_done(layer),
+            on_backward_end=lambda: self._engine.backward_end(),
             timings=self._timings,
         )
+        # What a relayout rebuilds blocks and the engine from (cross-attention detected).
+        self._model, self._config = model, config
+        self._row_options = (factor_rows, row_generator)
+        self._cross: set[int] = set()
+        self._probes = {
+            id(m): m.register_forward_pre_hook(self._probe, with_kwargs=True, prepend=True)
+            for m in undecided_attention(blocks)
+        } if config.cross_attention_patterns is None else {}
         for f in self.factor_sizes():
             if f.dim > LARGE_FACTOR_DIM and not f.diagonal:
                 warnings.warn(large_factor_message(f), RuntimeWarning, stacklevel=stacklevel + 1)
@@ -144,6 +152,64 @@ class KFACCurvature:
         )
         self._coverage = parameter_coverage(model, blocks)
         logger.info("%s", self.coverage_summary(model))
+
+    # ------------------------------------------------------------------ layout
+    def _probe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An MHA's first call: cross-attention (the query, key and value are not one tensor).
+
+        A forward pre-hook run before the recorder's: on a cross-attention call the MHA's
+        blocks are rebuilt in the cross-attention layout (:meth:`_relayout`) and this very
+        call is recorded in it.
+        """
+        if torch.compiler.is_compiling():
+            return  # decided in eager mode only; the self-attention layout stays until then
+        handle = self._probes.pop(id(module), None)
+        if handle is None:
+            return
+        handle.remove()
+        q, k, v = (args[i] if i < len(args) else kwargs.get(name)
+                   for i, name in enumerate(("query", "key", "value")))
+        if q is k and k is v:
+            return
+        if any(b.a is not None or b.g is not None for b in self._blocks.values()):
+            return  # factors exist: keep the layout (the tap warns about such calls)
+        self._relayout(module)
+
+    def _relayout(self, module: nn.Module) -> None:
+        """Rebuilds ``module``'s blocks in the cross-attention layout, and the engine."""
+        config = self._config
+        self._cross.add(id(module))
+        rows, generator = self._row_options
+        fresh = register_blocks(self._model, skip=config.skip_patterns,
+                                factor_dtype=config.factor_dtype, kfac_approx=config.kfac_approx,
+                                kinds=config.layer_kinds, cross_attention=None,
+                                cross_modules=self._cross, factor_rows=rows,
+                                row_generator=generator)
+        new = {n: b for n, b in fresh.items() if b.module is module}
+        blocks: dict[str, CurvatureBlock] = {}
+        for name, block in self._blocks.items():
+            if block.module is not module:
+                blocks[name] = block
+            elif not blocks.keys() & new.keys():
+                blocks.update(new)
+        for block in new.values():
+            if not block.diagonal:
+                block.method = self._method
+        self.check_same_on_ranks({"layers": [(n, b.kind, tuple(b.dims)) for n, b in
+                                             blocks.items()]}, what="K-FAC layers")
+        old = self._engine
+        engine = DistributedEngine(blocks, config.distributed(_weight_dtype(self._blocks)),
+                                   self._method, communicator=old.communicator,
+                                   timings=self._timings)
+        if engine.grid.fraction != old.grid.fraction:  # "auto" chose again: other groups
+            engine = DistributedEngine(blocks, config.distributed(_weight_dtype(self._blocks)),
+                                       self._method, timings=self._timings)
+        self._blocks, self._engine = blocks, engine
+        self._recorder.retap(module, blocks)
+        self._coverage = parameter_coverage(self._model, blocks)
+        logger.info("kaisa: %s was called with a query, key and value that are not one "
+                    "tensor: registered in the cross-attention layout (%s)",
+                    type(module).__name__, ", ".join(new))
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -437,6 +503,9 @@ class KFACCurvature:
     def remove_hooks(self) -> None:
         """Detaches the core from the model's modules."""
         self._recorder.remove()
+        for handle in self._probes.values():
+            handle.remove()
+        self._probes.clear()
 
     def _warn_silent_blocks(self) -> None:
         for name, block in self._blocks.items():
@@ -451,6 +520,11 @@ class KFACCurvature:
                 )
                 warnings.warn(msg, RuntimeWarning, stacklevel=5)
                 logger.warning(msg)
+
+
+def _weight_dtype(blocks: Mapping[str, CurvatureBlock]) -> torch.dtype:
+    """The weights' dtype (of the first block): the distributed config's default."""
+    return next(iter(blocks.values())).weight.dtype
 
 
 def _own(block: CurvatureBlock, grads: Mapping[torch.Tensor, torch.Tensor] | None,

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.hooks import RemovableHandle
 
 from kaisa.blocks import CurvatureBlock
 from kaisa.blocks.callsites import CallSite, Cut, FunctionalTap, hook_outputs
@@ -142,16 +143,42 @@ class StatisticsRecorder:
                         site.module.register_forward_hook(self._forward_hook(layer, index)))
                 else:
                     functional.setdefault(site.module, []).append(((layer, index), site))
+        self._taps: dict[nn.Module, tuple[FunctionalTap[tuple[CurvatureBlock, int]],
+                                          list[RemovableHandle]]] = {}
         for module, sites in functional.items():
-            tap = FunctionalTap(module, sites, active=self._active, observe=self._observe_call,
-                                mismatch=self._mismatch)
-            self._handles.extend(tap.install())
+            self._tap(module, sites)
+
+    def _tap(self, module: nn.Module,
+             sites: list[tuple[tuple[CurvatureBlock, int], CallSite]]) -> None:
+        tap = FunctionalTap(module, sites, active=self._active, observe=self._observe_call,
+                            mismatch=self._mismatch)
+        self._taps[module] = (tap, tap.install())
+
+    def retap(self, module: nn.Module, layers: Mapping[str, CurvatureBlock]) -> None:
+        """Observes ``module``'s functional sites for ``layers`` (its blocks were rebuilt).
+
+        Called from a forward pre-hook of ``module`` that runs before the tap's: the old
+        tap's pending pre-hook becomes a no-op and the new tap enters the call now.
+        """
+        self._layers = layers
+        old, handles = self._taps.pop(module)
+        old.retire()
+        for handle in handles:
+            handle.remove()
+        self._tap(module, [((layer, index), site) for layer in layers.values()
+                           for index, site in enumerate(layer.call_sites())
+                           if site.weight is not None and site.module is module])
+        self._taps[module][0].enter()
 
     def remove(self) -> None:
         """Detaches every hook."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for _, handles in self._taps.values():
+            for handle in handles:
+                handle.remove()
+        self._taps.clear()
 
     def end_step(self) -> None:
         """Resets the per-step counters."""

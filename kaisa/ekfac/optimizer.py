@@ -79,6 +79,9 @@ class EKFAC(torch.optim.Optimizer):
             :meth:`state_dict`).
         layer_kinds: The block kinds to register (``'all'``: every Kronecker kind).
         skip_layers: Module names or class names (regular expressions) not to register.
+        cross_attention: Which ``nn.MultiheadAttention`` modules have the cross-attention
+            layout (``None``: decoder layers' and those whose first call has a query, key
+            and value that are not one tensor; see :class:`~kaisa.core.config.KFACConfig`).
         factor_dtype: Factor dtype (``None``: the activations', at least float32).
         inv_dtype: Dtype of the bases and moments (``None``: the parameters' working dtype).
         accumulation_steps: Micro-batches (backward passes) per step.
@@ -121,6 +124,7 @@ class EKFAC(torch.optim.Optimizer):
         seed: int = 0,
         layer_kinds: str | tuple[str, ...] = KRONECKER_KINDS,
         skip_layers: str | list[str] | None = None,
+        cross_attention: str | list[str] | None = None,
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype | None = None,
         accumulation_steps: int = 1,
@@ -165,8 +169,8 @@ class EKFAC(torch.optim.Optimizer):
                                        settings=config.settings(), method=self._method,
                                        factor_rows=config.factor_rows,
                                        row_generator=self.row_generator)
-        self._kron = [b for b in self.curvature.blocks.values() if not b.diagonal]
-        self._covered = {id(p) for b in self._kron for p in b.parameters()}
+        self._covered = {id(p) for b in self.curvature.blocks.values() if not b.diagonal
+                         for p in b.parameters()}
         #: Steps taken (:meth:`step` calls, overflowed ones included).
         self.steps = 0
         #: Basis refreshes so far (counts ``eigh_every``).
@@ -240,7 +244,7 @@ class EKFAC(torch.optim.Optimizer):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         steps: dict[str, AdamStep] = {}
         counted: set[int] = set()
-        for block in self._kron:
+        for block in (b for b in self.curvature.blocks.values() if not b.diagonal):
             if block.weight.grad is None:
                 continue
             group = group_of[id(block.weight)]
