@@ -15,7 +15,7 @@ already measured-and-rejected cost keeps stayed and every removable overhead wen
   preconditioning; flops / ms), EMA updates and bookkeeping removable;
 * decompositions, preconditioning, the Monte-Carlo backward, the quadratic model's
   Jacobian-vector replays, the LM damping rule, the update: kept as measured (``RULES``
-  says why, citing the README's measurements); communication (one process) and the rest
+  says why, citing the measurements in docs/benchmarks.md); communication (one process) and the rest
   (``overhead``, the quadratic model outside its replays) go to zero.
 
 GPU: **a projection, not a measurement** (no GPU has run this code): each measured phase
@@ -73,7 +73,8 @@ RULES: dict[str, tuple[str, str]] = {
     "forward": ("base", "the baseline's forward (same model and batch)"),
     "backward": ("base", "the baseline's backward"),
     "curvature backward (MC)": ("keep", "one sampled-target backward, already only the "
-                                "edges nothing else precedes (README, KFAC's curvature passes)"),
+                                "edges nothing else precedes (docs/benchmarks.md, "
+                                "KFAC's curvature passes)"),
     "factor statistics": ("flops", "GEMM flops at the run's best GEMM rate"),
     "communication": ("zero", "one process"),
     "decomposition": ("keep", "the configuration's schedule, amortised (KFAC's every 5 "
