@@ -1,4 +1,4 @@
-"""bench/cnn.py (ResNet-32 on digits at CIFAR shapes) and bench/compare.py's CNN paths."""
+"""bench/convergence/cnn.py (ResNet-32 on digits at CIFAR shapes) and bench/convergence/compare.py's CNN paths."""
 
 import importlib.util
 import json
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_cnn", ROOT / "bench" / "cnn.py")
+    spec = importlib.util.spec_from_file_location("bench_cnn", ROOT / "bench" / "convergence" / "cnn.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_cnn"] = module

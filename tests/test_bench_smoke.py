@@ -1,4 +1,4 @@
-"""bench/step_cost.py in its smoke form (tiny sizes, a few steps; no timing claims)."""
+"""bench/step_cost/step_cost.py in its smoke form (tiny sizes, a few steps; no timing claims)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_fsdp_memory_smoke(tmp_path: Path) -> None:
-    """bench/fsdp_memory.py --smoke: 2 gloo ranks, DDP and FSDP2, MEM-OPT and COMM-OPT."""
+    """bench/distributed/fsdp_memory.py --smoke: 2 gloo ranks, DDP and FSDP2, MEM-OPT and COMM-OPT."""
     module = load_bench("fsdp_memory")
     out = tmp_path / "fsdp_memory.json"
     results = module.main(["--smoke", "--out", str(out)])
@@ -78,7 +78,7 @@ def test_fsdp_memory_smoke(tmp_path: Path) -> None:
 
 
 def test_step_floor_smoke(tmp_path: Path) -> None:
-    """bench/step_floor.py --smoke on the committed step-cost runs: a row per target."""
+    """bench/step_cost/step_floor.py --smoke on the committed step-cost runs: a row per target."""
     module = load_bench("step_floor")
     out = tmp_path / "step_floor.json"
     results = module.main(["--smoke", "--out", str(out)])
@@ -114,7 +114,7 @@ def test_step_floor_smoke(tmp_path: Path) -> None:
 
 
 def test_jvp_linearize_smoke(tmp_path: Path) -> None:
-    """bench/jvp_linearize.py --smoke: every way runs, ``func_linearize`` equals today's J v."""
+    """bench/experiments/jvp_linearize.py --smoke: every way runs, ``func_linearize`` equals today's J v."""
     module = load_bench("jvp_linearize")
     out = tmp_path / "jvp_linearize.json"
     results = module.main(["--smoke", "--out", str(out)])

@@ -1,4 +1,4 @@
-"""The byte-level GPT, the stdlib text corpus, ``kaisa-train --task lm`` and bench/gpt.py."""
+"""The byte-level GPT, the stdlib text corpus, ``kaisa-train --task lm`` and bench/convergence/gpt.py."""
 
 import json
 import math
@@ -210,7 +210,7 @@ def test_lm_bad_input_exits_2(
     assert expected in capsys.readouterr().err
 
 
-# --- bench/gpt.py -----------------------------------------------------------------------
+# --- bench/convergence/gpt.py -----------------------------------------------------------------------
 
 
 def test_bench_gpt_smoke(tmp_path: Path) -> None:

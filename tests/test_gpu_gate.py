@@ -36,7 +36,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     "target",
     [
         "tests/test_cuda_ops.py::test_batched_eigh_empty",
-        "bench/bench_kernels_gpu.py::test_covariance",
+        "bench/kernels/bench_kernels_gpu.py::test_covariance",
     ],
 )
 def test_gpu_checks_fail_when_cuda_kernels_are_missing(target: str) -> None:

@@ -7,7 +7,7 @@ The model (``choose_covariance`` in ``csrc/cuda/covariance.cu``; docs/cuda-kerne
             + (2 if packing else 1) L + L
 
 with the datasheet peaks (SIMT fp32 67, TF32 495, 16-bit 990 TFLOP/s; HBM 3.35 TB/s).
-``bench/bench_kernels_gpu.py`` times each path forced (``paths_ms``: ``fused``,
+``bench/kernels/bench_kernels_gpu.py`` times each path forced (``paths_ms``: ``fused``,
 ``gemm_ieee``, ``gemm_tf32``) on ResNet-50's convolutions (fp32 and bf16) and linear
 shapes. This fits the efficiencies (fused; GEMM for IEEE fp32, TF32 and 16-bit inputs)
 and the per-call overhead ``L`` by least squares on the log of the times over a grid,

@@ -18,7 +18,7 @@ sanitizer      60   ``compute-sanitizer`` memcheck, racecheck and synccheck (a t
                     the cap each) over ``bench/gpu/sanitize_cases.py``: every op and
                     eigh routine once, small shapes; resumed past a case that stops
                     the sanitizer (``bench/gpu/sanitize.py``)
-kernels        75   ``bench/bench_kernels_gpu.py``: covariance (fused / GEMM, TF32 off
+kernels        75   ``bench/kernels/bench_kernels_gpu.py``: covariance (fused / GEMM, TF32 off
                     and on), conv covariance, batched eigh (kaisa, torch, CuPy), the
                     syevj knee, preconditioning; each row with its floor and gap
 step_cost      90   ``bench/gpu/step_cost.py``: optimizer step cost as ratios in one
@@ -307,7 +307,7 @@ def stage_kernels(ctx: Context, timeout: float) -> dict[str, Any]:
     """The kernel benchmarks (pytest-benchmark module), their JSON as the detail."""
     env = {"KAISA_BENCH_DEVICE": "cpu", "KAISA_BENCH_TINY": "1"} if ctx.dry_run else {}
     env["KAISA_BENCH_DEADLINE"] = str(time.time() + timeout - 10)
-    cmd = [sys.executable, "-m", "pytest", "bench/bench_kernels_gpu.py", "-q",
+    cmd = [sys.executable, "-m", "pytest", "bench/kernels/bench_kernels_gpu.py", "-q",
            "-p", "no:cacheprovider", "--timeout", str(int(timeout))]
     return _json_stage(ctx, "kernels", cmd, timeout, env)
 

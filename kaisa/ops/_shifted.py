@@ -42,7 +42,7 @@ __all__ = ["conv_covariance_shifted", "supports_shifted"]
 _CHUNK = 1024
 
 
-#: Where the shifted path pays on the CPU (``bench/conv_factor.py --crossover``, one
+#: Where the shifted path pays on the CPU (``bench/kernels/conv_factor.py --crossover``, one
 #: thread): at least this many input channels (3 never pays), image rows and columns (at
 #: 4x4 the boundary and the padding dominate) and output positions in the batch (below,
 #: the fixed cost of assembling ``(kh kw)^2`` blocks exceeds the SYRK it saves).

@@ -25,7 +25,7 @@ OVERRIDABLE: frozenset[str] = frozenset(
 )
 
 #: Defaults used when a flag is not given, by (task, optimizer, kfac). Tuned on
-#: digits with ``bench/convergence.py`` (see docs/training.md); other datasets
+#: digits with ``bench/convergence/convergence.py`` (see docs/training.md); other datasets
 #: fall back to the ``None`` task entries.
 TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
     ("autoencode", "sgd", False): {"lr": 2.0},
@@ -55,8 +55,8 @@ TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
         "kfac_compute_method": "pi_inverse",
         "kfac_jvp": "double_backward",  # 8% cheaper per step than forward mode here
     },
-    ("classify", "kfac", False): {  # 3 seeds: 97% at epochs 8/10/6 (bench/convergence.py);
-        # damping 0.01 and 1e-3 diverged in the first epoch
+    ("classify", "kfac", False): {  # 3 seeds: 97% at epochs 8/10/6
+        # (bench/convergence/convergence.py); damping 0.01 and 1e-3 diverged in the first epoch
         "kfac_damping": 0.1,
         "kfac_factor_update_steps": 1,
         "kfac_inv_update_steps": 3,
@@ -64,7 +64,7 @@ TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
         "kfac_compute_method": "pi_inverse",
     },
     # --task lm (byte GPT on stdlib text). AdamW 3e-3: best of 1e-3/3e-3/1e-2 in the anchors
-    # (300 steps, context 64, batch 32); the rest are from bench/gpt.py (docs/training.md).
+    # (300 steps, context 64, batch 32); the rest: bench/convergence/gpt.py (docs/training.md).
     ("lm", "sgd", False): {"lr": 0.3},  # not tuned
     ("lm", "adamw", False): {"lr": 3e-3},
     ("lm", "sgd", True): {"lr": 0.1, "kfac_damping": 0.03},  # not tuned

@@ -11,8 +11,11 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:
-    """Imports ``bench/<name>.py`` as ``bench_<name>``."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    """Imports ``bench/<folder>/<name>.py`` (or ``bench/<name>.py``; not ``bench/gpu/``'s) as
+    ``bench_<name>``."""
+    (path,) = [p for p in (BENCH / f"{name}.py", *BENCH.glob(f"*/{name}.py"))
+               if p.is_file() and p.parent.name != "gpu"]
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[f"bench_{name}"] = module
