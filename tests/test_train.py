@@ -362,7 +362,7 @@ def test_table_and_plot_show_huge_values_and_divergence(tmp_path: Path) -> None:
     from kaisa.train.trainer import RunResult
 
     assert report.number(1.5e30) == "1.500e+30" and report.number(0.0123) == "0.0123"
-    metric = report.target_metric("autoencode", True)
+    metric = report.target_metric("autoencode")
     history = [
         {"epoch": 0, "time": 0.0, "train_mse": 0.5, "test_mse": 0.5},
         {"epoch": 1, "time": 1.0, "train_mse": 3e31, "test_mse": 3e31},
@@ -372,7 +372,7 @@ def test_table_and_plot_show_huge_values_and_divergence(tmp_path: Path) -> None:
     rows = report.summary_rows(results, metric, 0.02)
     table = report.format_table(rows, metric, 0.02)
     assert "3.000e+31" in table and "diverged" in table
-    report.plot(results, metric, 0.02, "autoencode", tmp_path / "p.png")
+    report.plot(results, metric, 0.02, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
-import math
 import shutil
 import sys
 from collections.abc import Sequence
@@ -13,6 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn, cast
 
 import torch
+from tqdm import tqdm
 
 from kaisa.train import checkpoint, distributed, report, sharded
 from kaisa.train.configs import RunSpec, parse_spec, resolve, settings
@@ -23,7 +22,6 @@ from kaisa.train.data import (
     load_digits,
     make_synthetic,
 )
-from kaisa.train.files import write_atomic
 from kaisa.train.lock import RunDirBusyError, RunLock
 from kaisa.train.optim import OWN_CURVATURE, build_kfac, build_optimizer, build_preconditioner
 from kaisa.train.options import build_parser
@@ -32,12 +30,12 @@ from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, mo
 
 TASK_DEFAULTS = {
     "autoencode": {
-        "model": "autoencoder", "epochs": 100, "target": 0.02, "dataset": "digits",
+        "model": "autoencoder", "epochs": 100, "dataset": "digits",
         "batch_size": 128,
     },
-    "classify": {"model": "cnn", "epochs": 20, "target": 0.97, "dataset": "digits",
+    "classify": {"model": "cnn", "epochs": 20, "dataset": "digits",
                  "batch_size": 128},
-    "lm": {"model": "gpt", "epochs": 3, "target": 2.5, "dataset": STDLIB_TEXT, "batch_size": 32},
+    "lm": {"model": "gpt", "epochs": 3, "dataset": STDLIB_TEXT, "batch_size": 32},
 }
 
 
@@ -364,21 +362,27 @@ def _train_all(
     metrics: report.MetricsFile | None,
 ) -> int:
     """Trains every configuration in turn; writes the summary, table and plot (rank 0)."""
-    metric = report.target_metric(options.task, options.eval_train)
+    metric = report.target_metric(options.task)
     if metrics is not None:
         for config in configs:
             metrics.write_header(config.label, settings(config))
     results: list[RunResult] = []
     status = EXIT_OK
+    show_bar = metrics is not None and not options.quiet and sys.stderr.isatty()
+    overall = tqdm(total=sum(c.epochs for c in configs), desc="all configurations",
+                   unit="epoch", disable=not show_bar, dynamic_ncols=True)
+    done = 0  # epochs of the configurations already finished
     for spec, config, state in zip(specs, configs, states, strict=True):
         name = _checkpoint_name(spec, len(specs), config.fsdp)
 
-        def on_record(record: Record, epochs: int = config.epochs) -> None:
+        def on_record(record: Record, epochs: int = config.epochs, done: int = done) -> None:
             if metrics is None:
                 return
             metrics.write(record)
+            overall.update(done + record["epoch"] - overall.n)
             if not options.quiet and record["epoch"] % options.log_every == 0:
-                print(report.epoch_line(record, epochs), flush=True)
+                tqdm.write(report.epoch_line(record, epochs), file=sys.stdout)
+                sys.stdout.flush()
 
         if config.resume and state is None and context.is_main:
             print(f"kaisa-train: no {run_dir / name} to resume; starting from scratch",
@@ -403,46 +407,13 @@ def _train_all(
                 train_time=last["time"],
             )
         results.append(result)
+        done += config.epochs
+        overall.update(done - overall.n)  # stopped early: a time budget, divergence
+    overall.close()
     if metrics is not None:
         metrics.close()
-        _write_summary(results, metric, options, run_dir, configs)
+        report.write_summary(results, metric, options, run_dir, configs)
     return status
-
-
-def _write_summary(
-    results: list[RunResult],
-    metric: report.Metric,
-    options: argparse.Namespace,
-    run_dir: Path,
-    configs: list[argparse.Namespace],
-) -> None:
-    results = [r for r in results if r.history]
-    if not results:
-        return
-    rows = report.summary_rows(results, metric, options.target)
-    table = report.format_table(rows, metric, options.target)
-    write_atomic(run_dir / "table.md", (table + "\n").encode("utf-8"))
-    clean = [
-        {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-        for row in rows
-    ]
-    summary = {
-        "task": options.task,
-        "model": options.model,
-        "dataset": options.dataset,
-        "metric": metric.key,
-        "target": options.target,
-        "configs": clean,
-        "settings": {config.label: settings(config) for config in configs},
-    }
-    write_atomic(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
-    if options.plot:
-        report.plot(results, metric, options.target, options.task, run_dir / "comparison.png")
-    print(f"\n{metric.title}, target {options.target:g}:\n{table}\n")
-    print(
-        f"wrote {run_dir / 'metrics.jsonl'}, {run_dir / 'table.md'}"
-        + (f", {run_dir / 'comparison.png'}" if options.plot else "")
-    )
 
 
 __all__ = ["main"]

@@ -11,9 +11,14 @@ from kaisa.train.models import MODELS, TEXT_MODELS
 from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_worker_fraction
 from kaisa.train.text import add_arguments as add_lm_arguments
 
-EPILOG = """\
+#: The main job's configurations (``--compare`` without a value): the first-order
+#: baselines that set the target, then kaisa.KFAC and kaisa.EKFAC.
+DEFAULT_COMPARE = "sgd,adamw,kfac,ekfac"
+
+EPILOG = f"""\
 examples:
   kaisa-train                                   # digits autoencoder, SGD
+  kaisa-train --compare                         # the main job: {DEFAULT_COMPARE}
   kaisa-train --compare sgd,adamw,sgd+kfac      # side-by-side comparison + plot/table
   kaisa-train --task classify --model cnn --kfac --epochs 10
   kaisa-train --compare sgd@lr=0.1,sgd+kfac@lr=0.3@damping=0.01 --time-budget 10
@@ -372,17 +377,21 @@ def build_parser() -> argparse.ArgumentParser:
     add = group.add_argument
     add(
         "--compare",
+        nargs="?",
+        const=DEFAULT_COMPARE,
         default=None,
         metavar="CONFIGS",
         help="comma-separated configurations OPTIMIZER[+kfac][@key=value...], e.g. "
-        "sgd,adamw,sgd+kfac@lr=0.3; each runs with the same seed, weights, data order, budget",
+        "sgd,adamw,sgd+kfac@lr=0.3; each runs with the same seed, weights, data order, "
+        f"budget (--compare alone: {DEFAULT_COMPARE})",
     )
     add(
         "--target",
         type=finite(),
         default=None,
-        help="target: test accuracy (classify, default 0.97), full-train MSE "
-        "(autoencode, default 0.02) or validation loss (lm, default 2.5)",
+        help="override the target of the validation metric (test MSE for autoencode, test "
+        "accuracy for classify, validation loss for lm); default: the best final value "
+        "of the first-order configurations (sgd, adamw), as in AlgoPerf",
     )
     add("--name", default=None, help="run name (default: DATASET-MODEL-TASK)")
     add("--run-dir", default="runs", help="parent directory of runs (default: %(default)s)")

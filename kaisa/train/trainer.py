@@ -155,8 +155,8 @@ class Trainer:
         if self.owns_curvature:
             self.pre = cast(Any, self.optimizer).curvature
         if self.pre is not None and context.is_main and not options.quiet:
-            print(kfac_summary(options.label, self.pre.curvature if not self.owns_curvature
-                               else self.pre), flush=True)
+            tqdm.write(kfac_summary(options.label, self.pre.curvature if not self.owns_curvature
+                                    else self.pre), file=sys.stdout)
         self.kfac_offset: dict[str, float] = {}
         self.epoch = 0
         self.started = time.perf_counter()
