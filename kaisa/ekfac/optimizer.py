@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa.core.checkpoint import KFACState, check_generator_state
 from kaisa.core.config import KFACConfig
 from kaisa.core.curvature import KFACCurvature
 from kaisa.ekfac.config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
@@ -353,15 +354,20 @@ class EKFAC(torch.optim.Optimizer):
         self.curvature.load_state_dict(layers, damping=0.0)
         self._arm()
 
+    def kfac_state_dict(self) -> KFACState:
+        """Counters and this rank's row generator, as :mod:`kaisa.checkpoint` takes them."""
+        counters = dict(self.state_dict(include_factors=False)["kaisa"])
+        return KFACState(counters=counters, generator=counters.pop("generator"),
+                         generator_per_rank=True)
 
-def check_generator_state(state: object) -> None:
-    """Raises ``ValueError`` unless ``state`` is a CPU ``torch.Generator``'s state."""
-    try:
-        if not isinstance(state, torch.Tensor):
-            raise TypeError(f"got {type(state).__name__}")
-        torch.Generator().set_state(state)
-    except (TypeError, RuntimeError, ValueError) as err:
-        raise ValueError(f"state_dict generator is not a generator state ({err})") from None
+    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """None: EKFAC steps every parameter itself."""
+        return {}
+
+    def load_kfac_state_dict(self, state: KFACState) -> None:
+        """Restores :meth:`kfac_state_dict` output, its ``layers`` and ``optimizers['self']``."""
+        self.load_state_dict({**state.optimizers.get("self", {}), "kaisa": {
+            **state.counters, "layers": dict(state.layers), "generator": state.generator}})
 
 
 def _saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:

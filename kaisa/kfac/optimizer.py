@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa.core.checkpoint import KFACState
 from kaisa.core.clipping import parameter_directions, write_preconditioned
 from kaisa.core.curvature import KFACCurvature
 from kaisa.kfac import quadratic
@@ -413,6 +414,27 @@ class KFAC(torch.optim.Optimizer):
         if self.first_order is not None and saved.first_order is not None:
             self.first_order.load_state_dict(saved.first_order)
         self._arm()
+
+    def kfac_state_dict(self) -> KFACState:
+        """Counters, damping and the sampler's state, as :mod:`kaisa.checkpoint` takes them."""
+        extra = self.state_dict()["kaisa"]  # the blocks' tensors not copied: cheap
+        counters = {k: v for k, v in extra.items() if k not in ("generator", "first_order")}
+        counters["preconditioner"] = {k: v for k, v in extra["preconditioner"].items()
+                                      if k != "layers"}
+        return KFACState(counters=counters, generator=extra["generator"])
+
+    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """Its first-order optimizer (``None`` without one), for the uncovered parameters."""
+        return {"first_order": self.first_order}
+
+    def load_kfac_state_dict(self, state: KFACState) -> None:
+        """Restores :meth:`kfac_state_dict` output, its ``layers`` and ``optimizers``."""
+        inner = state.counters.get("preconditioner")
+        extra = {**state.counters, "generator": state.generator, "preconditioner": {
+            **(inner if isinstance(inner, dict) else {}), "layers": dict(state.layers)}}
+        if "first_order" in state.optimizers:
+            extra["first_order"] = state.optimizers["first_order"]
+        self.load_state_dict({**state.optimizers.get("self", {}), "kaisa": extra})
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kaisa.blocks import CurvatureBlock
+from kaisa.core.checkpoint import KFACState
 from kaisa.core.clipping import write_preconditioned
 from kaisa.core.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
 from kaisa.core.curvature import KFACCurvature
@@ -338,6 +339,18 @@ class KFACPreconditioner:
             self._curvature.load_state_dict(
                 layers, damping=self.damping, compute_inverses=compute_inverses
             )
+
+    def kfac_state_dict(self) -> KFACState:
+        """Its counters, as :mod:`kaisa.checkpoint` takes them (no generator)."""
+        return KFACState(counters=self.state_dict(include_factors=False))
+
+    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """None: the optimizer stepped after it is the user's, checkpointed as torch's."""
+        return {}
+
+    def load_kfac_state_dict(self, state: KFACState) -> None:
+        """Restores :meth:`kfac_state_dict` output and ``state.layers`` (checked whole)."""
+        self.load_state_dict({**state.counters, "layers": dict(state.layers)})
 
     def memory_estimates(self) -> dict[Fraction, MemoryEstimate]:
         """Modelled per-rank K-FAC memory for every valid ``grad_worker_fraction``.
