@@ -122,7 +122,7 @@ class KFACCurvature:
                 block.method = self._method
         weight_dtype = next(iter(blocks.values())).weight.dtype
         self._engine = DistributedEngine(
-            blocks, config.distributed(weight_dtype), self._method, timings=self._timings
+            blocks, config.engine_config(weight_dtype), self._method, timings=self._timings
         )
         self._recorder = StatisticsRecorder(
             blocks,

@@ -33,6 +33,7 @@ from torch import nn
 from kaisa.core.checkpoint import KFACState, check_generator_state
 from kaisa.core.config import KFACConfig
 from kaisa.core.curvature import KFACCurvature
+from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac.config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
 from kaisa.methods import EigenAdamMethod
 from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
@@ -95,6 +96,9 @@ class EKFAC(torch.optim.Optimizer):
         allreduce_bucket_cap_mb: Fusion bucket capacity.
         collective_timeout: Seconds a kaisa collective may wait (``None``: the group's).
         loglevel: Logging level of the informational messages.
+        distributed: The distributed settings above (``grad_worker_fraction`` to
+            ``collective_timeout``) as one :class:`~kaisa.DistributedConfig`, as every
+            product takes them (not with those keywords too).
 
     Raises:
         ValueError: For invalid arguments (naming them).
@@ -135,6 +139,7 @@ class EKFAC(torch.optim.Optimizer):
         allreduce_bucket_cap_mb: float = 25.0,
         collective_timeout: float | None = None,
         loglevel: int = logging.DEBUG,
+        distributed: DistributedConfig | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kaisa.core.config import KFACConfig
+from kaisa.distributed.config import DistributedConfig
 from kaisa.kfac.amp import LossScaling
 from kaisa.kfac.losses import Loss, LossKind, Reduction
 from kaisa.utils.enums import parse_enum
@@ -136,6 +137,7 @@ class KFACOptimizerConfig:
         curvature: Curvature | str,
         jvp: JacobianMethod | str,
         preconditioner: dict[str, Any],
+        distributed: DistributedConfig | None = None,
         **arguments: Any,
     ) -> KFACOptimizerConfig:
         """Parses and validates the constructor's arguments.
@@ -146,6 +148,7 @@ class KFACOptimizerConfig:
             curvature: ``'mc'``, ``'type2'`` or ``'empirical'``.
             jvp: ``'forward'`` or ``'double_backward'``.
             preconditioner: The keyword arguments for the core (``KFACConfig`` fields).
+            distributed: The distributed settings (the core's ``distributed``).
             **arguments: The other :class:`~kaisa.KFAC` arguments.
 
         Raises:
@@ -165,6 +168,7 @@ class KFACOptimizerConfig:
             "layer_kinds": ("linear", "conv2d", "conv1d", "attention"),
             **preconditioner,
             "grad_scaler": arguments["grad_scaler"],
+            "distributed": distributed,
         }
         return cls(
             loss=Loss.of(loss, reduction),

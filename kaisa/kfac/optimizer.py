@@ -29,6 +29,7 @@ from torch import nn
 from kaisa.core.checkpoint import KFACState
 from kaisa.core.clipping import parameter_directions, write_preconditioned
 from kaisa.core.curvature import KFACCurvature
+from kaisa.distributed.config import DistributedConfig
 from kaisa.kfac import quadratic
 from kaisa.kfac import state as optimizer_state
 from kaisa.kfac.amp import HALF, LossScaling, full_precision_outputs
@@ -91,6 +92,9 @@ class KFAC(torch.optim.Optimizer):
             after the K-FAC update and its damping rule, on the raw gradients.
         max_momentum: Keep the adaptive momentum in ``[0, max_momentum]`` (the lr is then
             the model's minimiser given it); ``None``: unconstrained (kfac-jax's rule).
+        distributed: The distributed settings (``grad_worker_fraction``, ...) as one
+            :class:`~kaisa.DistributedConfig`, as every product takes them (not with
+            those keywords in ``preconditioner`` too).
         **preconditioner: Further :class:`~kaisa.KFACPreconditioner` arguments
             (``factor_update_steps``, ``inv_update_steps``, ``factor_decay``, ``kl_clip``
             for the fixed mode, ``grad_worker_fraction``, ...).
@@ -121,6 +125,7 @@ class KFAC(torch.optim.Optimizer):
         grad_scaler: Any = None,
         first_order: FirstOrder | None = None,
         max_momentum: float | None = 1.0,
+        distributed: DistributedConfig | None = None,
         **preconditioner: Any,
     ) -> None:
         if not isinstance(model, nn.Module):

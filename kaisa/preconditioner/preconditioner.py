@@ -22,7 +22,7 @@ from kaisa.core.checkpoint import KFACState
 from kaisa.core.clipping import write_preconditioned
 from kaisa.core.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
 from kaisa.core.curvature import KFACCurvature
-from kaisa.distributed import Communicator, FactorSize, MemoryEstimate, Placement
+from kaisa.distributed import Communicator, DistributedConfig, FactorSize, MemoryEstimate, Placement
 from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
 
@@ -44,7 +44,9 @@ class KFACPreconditioner:
     Distributed training (``docs/distributed.md``): when ``torch.distributed`` is
     initialised with more than one rank, the work is split with KAISA's
     ``grad_worker_fraction`` (:class:`DistributedStrategy`, a float in ``(0, 1]`` or
-    ``'auto'`` with ``memory_budget_mb``). Factors are averaged over ranks by fused
+    ``'auto'`` with ``memory_budget_mb``; these settings, kfac-pytorch's keywords, may be given
+    together as ``distributed=kaisa.DistributedConfig(...)``, as every product takes them,
+    but not both ways). Factors are averaged over ranks by fused
     asynchronous allreduces started from the backward hooks; each layer's decompositions
     are computed by the rank(s) the placement assigns and broadcast to the layer's
     gradient workers, which precondition the gradient and broadcast it to the other
@@ -82,6 +84,7 @@ class KFACPreconditioner:
         cross_attention: str | list[str] | None = None,
         loglevel: int = logging.DEBUG,
         collective_timeout: float | None = None,
+        distributed: DistributedConfig | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
