@@ -39,6 +39,7 @@ from kaisa.methods import EigenAdamMethod
 from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
 from kaisa.utils.first_order import AdamStep, adamw_update, step_count
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
+from kaisa.utils.optim_state import check_known, check_optimizer_state
 from kaisa.utils.profiling import phase
 from kaisa.utils.shards import rows_of
 
@@ -341,6 +342,8 @@ class EKFAC(torch.optim.Optimizer):
         extra = state_dict.get("kaisa") if isinstance(state_dict, dict) else None
         if not isinstance(extra, dict):
             raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.EKFAC state dict")
+        check_known("state_dict kaisa", extra, ("steps", "refreshes", "generator", "generators",
+                                                "layers", *self._schedules.names()))
         counters = {name: extra.get(name) for name in ("steps", "refreshes")}
         self.curvature.check_same_on_ranks(
             {**counters, **{n: extra.get(n) for n in self._schedules.names()}},
@@ -350,6 +353,7 @@ class EKFAC(torch.optim.Optimizer):
         generator = _saved_generator(extra)
         layers = extra.get("layers")
         self.curvature.check_state_dict(layers)
+        check_optimizer_state(state_dict, self.param_groups)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
         self.steps, self.refreshes = steps, refreshes
         if generator is not None:

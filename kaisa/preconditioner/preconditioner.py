@@ -25,6 +25,7 @@ from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed import Communicator, DistributedConfig, FactorSize, MemoryEstimate, Placement
 from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
+from kaisa.utils.optim_state import check_known
 
 __all__ = ["KFACPreconditioner"]
 
@@ -326,6 +327,7 @@ class KFACPreconditioner:
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError("state_dict has no 'steps' entry; not a kaisa state dict")
+        check_known("state_dict", state_dict, ("steps", "layers", *self._schedules.names()))
         loaded = {name: state_dict.get(name) for name in ("steps", *self._schedules.names())}
         self._curvature.check_same_on_ranks(loaded, what="loaded K-FAC state")
         if "steps" not in state_dict:
