@@ -103,6 +103,7 @@ class KFACOptimizerConfig:
             targets, the type-2 Fisher, or the adaptive mode); the fixed empirical mode
             keeps kfac-pytorch's convention.
         omega: The LM factor ``damping_decay ** damping_interval``.
+        scaling: The loss scaling that drives ``grad_scaler`` (validated once, here).
     """
 
     loss: Loss
@@ -127,6 +128,7 @@ class KFACOptimizerConfig:
     adaptive_momentum: bool = field(init=False)
     fisher_scaled: bool = field(init=False)
     omega: float = field(init=False)
+    scaling: LossScaling = field(init=False, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -154,7 +156,6 @@ class KFACOptimizerConfig:
         Raises:
             ValueError: Naming the invalid argument.
         """
-        LossScaling(arguments["grad_scaler"])  # validates it
         for reserved in ("damping", "lr"):
             if reserved in preconditioner:
                 raise ValueError(f"{reserved} is set by KFAC, not a preconditioner argument")
@@ -180,6 +181,7 @@ class KFACOptimizerConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: derived fields once
+        set_(self, "scaling", LossScaling(self.grad_scaler))
         _check_positive_int("mc_samples", self.mc_samples)
         _check_positive_int("damping_interval", self.damping_interval)
         adaptive_lr = _is_adaptive("lr", self.lr)

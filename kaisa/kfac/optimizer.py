@@ -32,7 +32,7 @@ from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed.config import DistributedConfig
 from kaisa.kfac import quadratic
 from kaisa.kfac import state as optimizer_state
-from kaisa.kfac.amp import HALF, LossScaling, full_precision_outputs
+from kaisa.kfac.amp import HALF, full_precision_outputs
 from kaisa.kfac.closure import Closure, call, replayed_loss
 from kaisa.kfac.config import (
     ADAPTIVE,
@@ -148,7 +148,7 @@ class KFAC(torch.optim.Optimizer):
         defaults = {"lr": config.fixed("lr"), "momentum": config.fixed("momentum"),
                     "weight_decay": config.weight_decay}
         super().__init__(params, defaults)
-        self.scaling = LossScaling(grad_scaler)
+        self.scaling = config.scaling
         self._reduced_precision = False
         self._schedules = Schedules({name: getattr(config.kfac, name) for name in _SCHEDULES})
         #: Every name of each parameter (before FSDP2 may swap the module attributes).
