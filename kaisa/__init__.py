@@ -12,6 +12,7 @@ from __future__ import annotations
 from kaisa import checkpoint, ops
 from kaisa.blocks import KFACLayer
 from kaisa.core import KFACConfig
+from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac import EKFAC, BasisRefresh
 from kaisa.kfac import KFAC, Curvature, JacobianMethod
 from kaisa.preconditioner import KFACPreconditioner, LambdaParamScheduler
@@ -24,6 +25,7 @@ __all__ = [
     "BasisRefresh",
     "ComputeMethod",
     "Curvature",
+    "DistributedConfig",
     "DistributedStrategy",
     "JacobianMethod",
     "KFACApprox",

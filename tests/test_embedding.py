@@ -294,7 +294,7 @@ def test_engine_averages_and_broadcasts_the_diagonal_as_a_vector() -> None:
         block.method = method
     comm = FakeCommunicator(rank=0, world_size=2,
                             peer=lambda call, buf: buf.copy_(torch.full(call.shape, 0.5)))
-    engine = DistributedEngine(blocks, cfg.distributed(torch.float64), method, communicator=comm)
+    engine = DistributedEngine(blocks, cfg.engine_config(torch.float64), method, communicator=comm)
     embed = blocks["0"]
     embed.stats.add_a(embed.compute_a_batch(torch.tensor([[1, 1], [2, 6]])))
     embed.stats.add_g(torch.eye(E).unsqueeze(0))

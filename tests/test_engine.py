@@ -64,7 +64,7 @@ def _explicit(layer: CurvatureBlock) -> torch.Tensor:
 
 def test_single_rank_is_the_same_path_with_a_local_communicator() -> None:
     layers, cfg, method = _setup("eigen", kl_clip=None)
-    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=LocalCommunicator())
+    engine = DistributedEngine(layers, cfg.engine_config(torch.float64), method, communicator=LocalCommunicator())
     assert engine.world_size == 1 and all(engine.is_grad_worker(n) for n in layers)
     engine.update_decompositions(DAMPING)
     out = _precondition(engine, layers)
@@ -92,7 +92,7 @@ def test_comm_opt_rank_decomposes_its_share_and_installs_what_it_receives() -> N
         raise AssertionError(f"unexpected payload shape {call.shape}")
 
     comm = FakeCommunicator(rank=0, world_size=2, peer=peer)
-    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm)
+    engine = DistributedEngine(layers, cfg.engine_config(torch.float64), method, communicator=comm)
     computed_here = engine.placement.computed_by(0)
     assert 0 < len(computed_here) < 2 * len(layers)  # both ranks have work
     engine.update_decompositions(DAMPING)
@@ -108,7 +108,7 @@ def test_comm_opt_rank_decomposes_its_share_and_installs_what_it_receives() -> N
 def test_failed_source_without_a_result_leaves_the_layer_unpreconditioned() -> None:
     layers, cfg, method = _setup("inverse")
     comm = FakeCommunicator(rank=0, world_size=2, peer=lambda c, b: b.fill_(float("nan")))
-    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm)
+    engine = DistributedEngine(layers, cfg.engine_config(torch.float64), method, communicator=comm)
     engine.update_decompositions(DAMPING)
     remote = {name for name, _ in engine.placement.computed_by(1)}
     for name, layer in layers.items():
@@ -121,7 +121,7 @@ def test_failed_source_without_a_result_leaves_the_layer_unpreconditioned() -> N
 def test_symmetry_aware_marks_only_symmetric_payloads(method_name: str, symmetric: bool) -> None:
     layers, cfg, method = _setup(method_name, symmetry_aware=True)
     comm = FakeCommunicator(rank=1, world_size=2, peer=lambda c, b: b.copy_(_identity_like(b)))
-    DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm).update_decompositions(DAMPING)
+    DistributedEngine(layers, cfg.engine_config(torch.float64), method, communicator=comm).update_decompositions(DAMPING)
     calls = [c for c in comm.calls if c.kind == "decompositions"]
     assert calls
     # eigen sends [Q, d] (never symmetric); inverse sends [F^-1] (symmetric)
@@ -142,7 +142,7 @@ def test_mem_opt_receives_gradients_of_layers_it_does_not_own() -> None:
         buf.fill_(3.0)  # the preconditioned gradient, and a valid flag (> 0) last
 
     comm = FakeCommunicator(rank=0, world_size=2, peer=peer)
-    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm)
+    engine = DistributedEngine(layers, cfg.engine_config(torch.float64), method, communicator=comm)
     engine.update_decompositions(DAMPING)
     assert not [c for c in comm.calls if c.kind == "decompositions" and len(c.group) > 1]
     out = _precondition(engine, layers)
@@ -164,7 +164,7 @@ def test_mem_opt_receives_gradients_of_layers_it_does_not_own() -> None:
 def test_factor_allreduce_starts_once_per_layer_with_statistics() -> None:
     layers, cfg, method = _setup("eigen")
     comm = FakeCommunicator(rank=0, world_size=2)
-    engine = DistributedEngine(layers, cfg.distributed(torch.float64), method, communicator=comm)
+    engine = DistributedEngine(layers, cfg.engine_config(torch.float64), method, communicator=comm)
     first, second, third = layers.values()
     first.stats.add_a(torch.ones(1, 5, 5))
     first.stats.add_a(3 * torch.ones(1, 5, 5))

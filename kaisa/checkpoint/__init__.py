@@ -14,5 +14,8 @@ Usage::
 from __future__ import annotations
 
 from kaisa.checkpoint.dcp import FORMAT, get_state_dict, kfac_state_dict, load, save
+from kaisa.checkpoint.stateful import KFACStateful
+from kaisa.core.checkpoint import KFACCheckpointable, KFACState
 
-__all__ = ["FORMAT", "get_state_dict", "kfac_state_dict", "load", "save"]
+__all__ = ["FORMAT", "KFACCheckpointable", "KFACState", "KFACStateful", "get_state_dict",
+           "kfac_state_dict", "load", "save"]

@@ -49,10 +49,11 @@ changes nothing either. ``docs/distributed.md``, "Checkpoints (DCP)".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
@@ -69,10 +70,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from kaisa.checkpoint import optim as checkpoint_optim
+from kaisa.core.checkpoint import KFACCheckpointable, KFACState, check_generator_state
 from kaisa.core.curvature import KFACCurvature
-from kaisa.ekfac.optimizer import EKFAC, check_generator_state
-from kaisa.kfac.optimizer import KFAC
-from kaisa.preconditioner.preconditioner import KFACPreconditioner
 from kaisa.utils.finite import all_finite
 
 __all__ = ["FORMAT", "get_state_dict", "kfac_state_dict", "load", "save"]
@@ -81,57 +80,56 @@ __all__ = ["FORMAT", "get_state_dict", "kfac_state_dict", "load", "save"]
 FORMAT = 1
 
 #: What drives the curvature: a preconditioner, or EKFAC or KFAC (optimizers).
-Owner: TypeAlias = KFACPreconditioner | EKFAC | KFAC
+Owner: TypeAlias = KFACCheckpointable
 
 _PathLike: TypeAlias = str | os.PathLike[str]
+
+if TYPE_CHECKING:  # each product implements both protocols (mypy checks it here)
+    from kaisa.checkpoint.stateful import StateDictProduct
+    from kaisa.ekfac.optimizer import EKFAC
+    from kaisa.kfac.optimizer import KFAC
+    from kaisa.preconditioner.preconditioner import KFACPreconditioner
+
+    def _conforms(a: KFACPreconditioner, b: EKFAC, c: KFAC
+                  ) -> tuple[Owner, Owner, Owner, StateDictProduct, StateDictProduct,
+                             StateDictProduct]:
+        return a, b, c, a, b, c
 
 #: A block's factor entries and the side whose decomposing rank owns them.
 _FACTOR_SIDE = {"A": "a", "skipped_a": "a", "G": "g", "skipped_g": "g"}
 
 
 # ---------------------------------------------------------------------- the K-FAC part
-def _owner(optimizer: torch.optim.Optimizer, preconditioner: KFACPreconditioner | None) -> Owner:
-    """The object whose K-FAC state is checkpointed."""
-    if isinstance(optimizer, EKFAC | KFAC):
-        if preconditioner is not None:
-            raise ValueError(f"kaisa.{type(optimizer).__name__} keeps its own curvature: "
-                             "pass no preconditioner")
-        return optimizer
-    if not isinstance(preconditioner, KFACPreconditioner):
+def _owner(optimizer: torch.optim.Optimizer, preconditioner: object | None) -> Owner:
+    """The object whose K-FAC state is checkpointed: ``preconditioner``, else ``optimizer``.
+
+    Either must implement :class:`~kaisa.core.checkpoint.KFACCheckpointable`; a product
+    that is itself the optimizer takes no preconditioner.
+    """
+    owner: object = optimizer if preconditioner is None else preconditioner
+    if not all(callable(getattr(owner, m, None)) for m in _PROTOCOL) or (
+        preconditioner is not None and callable(getattr(optimizer, "kfac_state_dict", None))
+    ):
         raise ValueError(
             "kaisa.checkpoint needs a kaisa.KFACPreconditioner (with a torch optimizer), "
-            "a kaisa.EKFAC or a kaisa.KFAC optimizer, got "
-            f"preconditioner={type(preconditioner).__name__} "
+            "or a kaisa.EKFAC or a kaisa.KFAC optimizer (which keep their own curvature: "
+            f"then no preconditioner), got preconditioner={type(preconditioner).__name__} "
             f"and optimizer={type(optimizer).__name__}"
         )
-    return preconditioner
+    return owner  # type: ignore[return-value]
 
 
-def _core(owner: Owner) -> KFACCurvature:
-    return owner.curvature
+#: The methods of the protocol.
+_PROTOCOL = ("kfac_state_dict", "kfac_optimizers", "load_kfac_state_dict")
+
+
+def _is_optimizer(owner: object, optimizer: object) -> bool:
+    """Whether the product is the optimizer itself (EKFAC, KFAC), not a preconditioner."""
+    return owner is optimizer
 
 
 def _layer_list(core: KFACCurvature) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(name, str(b.kind), tuple(int(d) for d in b.dims)) for name, b in core.blocks.items()]
-
-
-def _counters(owner: Owner) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """The counters (no tensors) and the product's generator state.
-
-    Counters: steps, refreshes, the schedules' numbers, KFAC's damping. The generator:
-    KFAC's Monte-Carlo sampler's, EKFAC's row generator (this rank's); ``None`` for a
-    preconditioner.
-    """
-    if isinstance(owner, EKFAC):
-        counters = dict(owner.state_dict(include_factors=False)["kaisa"])
-        return counters, counters.pop("generator")
-    if not isinstance(owner, KFAC):
-        return owner.state_dict(include_factors=False), None
-    extra = owner.state_dict()["kaisa"]  # this rank's blocks, not copied: cheap
-    counters = {k: v for k, v in extra.items() if k not in ("generator", "first_order")}
-    counters["preconditioner"] = {k: v for k, v in extra["preconditioner"].items()
-                                  if k != "layers"}
-    return counters, extra["generator"]
 
 
 def _owners(core: KFACCurvature, index: int, name: str) -> dict[str, int]:
@@ -153,18 +151,19 @@ def kfac_state_dict(owner: Owner) -> dict[str, Any]:
 
     Args:
         owner: A :class:`~kaisa.KFACPreconditioner`, a :class:`~kaisa.EKFAC` or a
-            :class:`~kaisa.KFAC`.
+            :class:`~kaisa.KFAC` (any :class:`~kaisa.core.checkpoint.KFACCheckpointable`).
 
     Returns:
         ``{'meta': JSON, 'layers': {block: {entry: tensor}}}`` (``'meta'``: the product,
         its blocks, counters and schedules, a string so that DCP keeps it one entry);
         ``'layers'`` holds only the
         entries this rank owns (see the module docstring), the tensors themselves (not
-        copies: save them before the next step). For :class:`~kaisa.KFAC` rank 0 adds
-        ``'generator'``, the Monte-Carlo sampler's state; for :class:`~kaisa.EKFAC` each
-        rank adds ``'generators': {rank: state}``, its row generator's.
+        copies: save them before the next step). A product with a generator the same on
+        every rank (:class:`~kaisa.KFAC`'s sampler) has rank 0 add ``'generator'``; one
+        with a generator per rank (:class:`~kaisa.EKFAC`'s rows) has each rank add
+        ``'generators': {rank: state}``.
     """
-    core = _core(owner)
+    core = owner.curvature
     rank = core.engine.rank
     layers: dict[str, dict[str, torch.Tensor]] = {}
     for index, (name, block) in enumerate(core.blocks.items()):
@@ -174,14 +173,14 @@ def kfac_state_dict(owner: Owner) -> dict[str, Any]:
             if isinstance(t, torch.Tensor)
             and owners[_FACTOR_SIDE.get(key, "decomposition")] == rank
         }
-    counters, generator = _counters(owner)
+    state = owner.kfac_state_dict()
     meta = {"format": FORMAT, "product": type(owner).__name__, "layers": _layer_list(core),
-            "state": counters}
+            "state": state.counters}
     out: dict[str, Any] = {"meta": json.dumps(meta), "layers": layers}
-    if isinstance(owner, EKFAC):  # seeded seed + rank: one per rank
-        out["generators"] = {str(rank): generator}
-    elif generator is not None and rank == 0:  # the same on every rank: one copy
-        out["generator"] = generator
+    if state.generator is not None and state.generator_per_rank:
+        out["generators"] = {str(rank): state.generator}
+    elif state.generator is not None and rank == 0:  # the same on every rank: one copy
+        out["generator"] = state.generator
     return out
 
 
@@ -197,7 +196,7 @@ def _check_meta(owner: Owner, meta: object) -> dict[str, Any]:
     if meta.get("product") != product:
         raise ValueError(f"the checkpoint holds the state of a kaisa.{meta.get('product')}, "
                          f"not of a kaisa.{product}")
-    mine = {n: (k, d) for n, k, d in _layer_list(_core(owner))}
+    mine = {n: (k, d) for n, k, d in _layer_list(owner.curvature)}
     try:
         theirs = {str(n): (str(k), tuple(int(d) for d in dims)) for n, k, dims in meta["layers"]}
     except (KeyError, TypeError, ValueError):
@@ -230,62 +229,65 @@ def _layers_template(core: KFACCurvature, saved: Mapping[str, STORAGE_TYPES]
     return out
 
 
+def _generator_template(owner: Owner, saved: Mapping[str, STORAGE_TYPES]) -> dict[str, Any]:
+    """The generator entry this rank reads, if the checkpoint holds one for it."""
+    key = (f"generators.{owner.curvature.engine.rank}"
+           if owner.kfac_state_dict().generator_per_rank else "generator")
+    md = saved.get(f"kfac.{key}")
+    if not isinstance(md, TensorStorageMetadata):  # none (per rank: another world size): kept
+        return {}
+    buffer = torch.empty(md.size, dtype=md.properties.dtype)
+    head, _, rank = key.partition(".")
+    return {head: {rank: buffer}} if rank else {head: buffer}
+
+
 # ---------------------------------------------------------------------- the optimizer part
-def _optim(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _optim(model: nn.Module, optimizer: torch.optim.Optimizer, owner: Owner) -> dict[str, Any]:
     """The ``'optim'`` part: the optimizer's state keyed by parameter name."""
-    if not isinstance(optimizer, EKFAC | KFAC):
+    if not _is_optimizer(owner, optimizer):
         return get_optimizer_state_dict(model, optimizer)
     optim = checkpoint_optim.named(model, optimizer)
-    if isinstance(optimizer, KFAC) and optimizer.first_order is not None:
-        optim["first_order"] = checkpoint_optim.named(model, optimizer.first_order)
+    for name, inner in owner.kfac_optimizers().items():
+        if inner is not None:
+            optim[name] = checkpoint_optim.named(model, inner)
     return optim
 
 
-def _ekfac_load(model: nn.Module, optimizer: EKFAC, optim: Mapping[str, Any],
-                kaisa_state: dict[str, Any]) -> None:
-    optimizer.load_state_dict({**checkpoint_optim.indexed(model, optimizer, optim),
-                               "kaisa": kaisa_state})
+def _optimizers(checkpoint_id: _PathLike | None, storage_reader: StorageReader,
+                model: nn.Module, optimizer: torch.optim.Optimizer, owner: Owner,
+                saved: Mapping[str, STORAGE_TYPES]) -> dict[str, dict[str, Any]]:
+    """Reads the ``'optim'`` part of a product that is the optimizer, checked finite.
 
-
-def _kfac_load(checkpoint_id: _PathLike | None, storage_reader: StorageReader, model: nn.Module,
-               optimizer: KFAC, saved: Mapping[str, STORAGE_TYPES],
-               kfac: Mapping[str, Any], counters: dict[str, Any]) -> None:
-    """Loads KFAC's optimizer part, checked whole, and then the model.
-
-    In this order a refused checkpoint changes nothing: reading the model writes into its
-    parameters.
+    Returns ``{'self': its torch state, name: each driven optimizer's}``, indexed as
+    ``load_state_dict`` takes them (a driven optimizer saved but absent here gets an
+    empty state, which the product refuses).
     """
     optim = checkpoint_optim.template(model, optimizer, saved, "optim.")
-    first_order = optimizer.first_order
-    saved_first_order = any(k.startswith("optim.first_order.") for k in saved)
-    if first_order is not None and saved_first_order:
-        optim["first_order"] = checkpoint_optim.template(model, first_order, saved,
-                                                         "optim.first_order.")
+    inner = owner.kfac_optimizers()
+    present = {name for name in inner if any(k.startswith(f"optim.{name}.") for k in saved)}
+    for name in present:
+        if (rule := inner[name]) is not None:
+            optim[name] = checkpoint_optim.template(model, rule, saved, f"optim.{name}.")
     dcp_load({"optim": optim}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
-    extra = {**counters, "preconditioner": {**counters.get("preconditioner", {}),
-                                            "layers": kfac["layers"]},
-             "generator": kfac.get("generator")}
-    if "first_order" in optim:
-        assert first_order is not None
-        extra["first_order"] = checkpoint_optim.indexed(model, first_order, optim["first_order"])
-    elif saved_first_order:  # refused below: this KFAC has no first-order optimizer
-        extra["first_order"] = {"state": {}, "param_groups": []}
+    out = {"self": checkpoint_optim.indexed(model, optimizer, optim)}
+    for name in present:
+        rule = inner[name]
+        out[name] = ({"state": {}, "param_groups": []} if rule is None
+                     else checkpoint_optim.indexed(model, rule, optim[name]))
     # The one check that a rank makes on its shards alone, agreed before anything loads.
-    velocity = [t for v in optim["state"].values() for t in v.values()
-                if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if optimizer.curvature.any_rank(not all(bool(all_finite(t)) for t in velocity)):
-        raise ValueError("the checkpoint's KFAC optimizer state (velocity) is not finite")
-    optimizer.load_state_dict({**checkpoint_optim.indexed(model, optimizer, optim),
-                               "kaisa": extra})
-    weights = get_model_state_dict(model)
-    dcp_load({"model": weights}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
-    set_model_state_dict(model, weights)
+    floats = [(key, t) for v in optim["state"].values() for key, t in v.items()
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
+    local = not all(bool(all_finite(t)) for _, t in floats)
+    if owner.curvature.any_rank(local):
+        raise ValueError(f"the checkpoint's {type(owner).__name__} optimizer state "
+                         f"({', '.join(sorted({key for key, _ in floats}))}) is not finite")
+    return out
 
 
 # ---------------------------------------------------------------------- public API
 def get_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer,
-    preconditioner: KFACPreconditioner | None = None,
+    preconditioner: KFACCheckpointable | None = None,
 ) -> dict[str, Any]:
     """This rank's part of a checkpoint, ready for ``torch.distributed.checkpoint.save``.
 
@@ -302,13 +304,13 @@ def get_state_dict(
         under FSDP2).
     """
     owner = _owner(optimizer, preconditioner)
-    return {"model": get_model_state_dict(model), "optim": _optim(model, optimizer),
+    return {"model": get_model_state_dict(model), "optim": _optim(model, optimizer, owner),
             "kfac": kfac_state_dict(owner)}
 
 
 def save(
     checkpoint_id: _PathLike | None, model: nn.Module, optimizer: torch.optim.Optimizer,
-    preconditioner: KFACPreconditioner | None = None, *,
+    preconditioner: KFACCheckpointable | None = None, *,
     storage_writer: StorageWriter | None = None,
 ) -> None:
     """Saves :func:`get_state_dict` with ``torch.distributed.checkpoint.save`` (every rank).
@@ -326,7 +328,7 @@ def save(
 
 def load(
     checkpoint_id: _PathLike | None, model: nn.Module, optimizer: torch.optim.Optimizer,
-    preconditioner: KFACPreconditioner | None = None, *,
+    preconditioner: KFACCheckpointable | None = None, *,
     storage_reader: StorageReader | None = None,
 ) -> None:
     """Loads a :func:`save` checkpoint into freshly built objects, at any world size.
@@ -349,7 +351,7 @@ def load(
             another set of blocks, or a malformed one; nothing is loaded then.
     """
     owner = _owner(optimizer, preconditioner)
-    core = _core(owner)
+    core = owner.curvature
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("give a checkpoint_id or a storage_reader")
@@ -358,42 +360,35 @@ def load(
     if "kfac.meta" not in saved:
         raise ValueError(f"{checkpoint_id} has no kfac.meta entry: not a kaisa.checkpoint")
     # The K-FAC part first, into new buffers: checked before anything else is touched.
-    kfac: dict[str, Any] = {"meta": None, "layers": _layers_template(core, saved)}
-    generator = saved.get("kfac.generator")
-    if isinstance(owner, KFAC) and isinstance(generator, TensorStorageMetadata):
-        kfac["generator"] = torch.empty(generator.size, dtype=generator.properties.dtype)
-    rows = saved.get(f"kfac.generators.{core.engine.rank}")
-    if isinstance(owner, EKFAC) and isinstance(rows, TensorStorageMetadata):
-        # This rank's row generator; none saved for it (another world size): kept as is.
-        kfac["generators"] = {str(core.engine.rank): torch.empty(
-            rows.size, dtype=rows.properties.dtype)}
+    kfac: dict[str, Any] = {"meta": None, "layers": _layers_template(core, saved),
+                            **_generator_template(owner, saved)}
     dcp_load({"kfac": kfac}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
-    layers = kfac["layers"]
-    row_state = kfac.get("generators", {}).get(str(core.engine.rank))
+    generator = kfac.get("generator", kfac.get("generators", {}).get(str(core.engine.rank)))
     try:
         counters, error = _check_meta(owner, kfac["meta"]), None
-        core.check_state_dict(layers)
-        if row_state is not None:
-            check_generator_state(row_state)
+        core.check_state_dict(kfac["layers"])
+        if generator is not None:
+            check_generator_state(generator)
     except ValueError as err:
         error = str(err)
     # A rank may read entries another does not (its gradient-worker blocks): all or none.
     if core.any_rank(error is not None):
         raise ValueError(error or "kaisa.checkpoint: another rank refused the checkpoint's "
                          "K-FAC state (see its error); nothing was loaded")
-    if isinstance(optimizer, KFAC):
-        _kfac_load(checkpoint_id, storage_reader, model, optimizer, saved, kfac, counters)
+    mine = owner.kfac_state_dict()
+    state = KFACState(counters=counters, generator=generator,
+                      generator_per_rank=mine.generator_per_rank, layers=kfac["layers"])
+    weights = get_model_state_dict(model)
+    if _is_optimizer(owner, optimizer):
+        # Checked whole by the product before the model is read (reading writes into it).
+        optimizers = _optimizers(checkpoint_id, storage_reader, model, optimizer, owner, saved)
+        owner.load_kfac_state_dict(dataclasses.replace(state, optimizers=optimizers))
+        dcp_load({"model": weights}, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
+        set_model_state_dict(model, weights)
         return
-    rest: dict[str, Any] = {"model": get_model_state_dict(model),
-            "optim": (checkpoint_optim.template(model, optimizer, saved, "optim.")
-                      if isinstance(optimizer, EKFAC)
-                      else get_optimizer_state_dict(model, optimizer))}
+    rest: dict[str, Any] = {"model": weights,
+                            "optim": get_optimizer_state_dict(model, optimizer)}
     dcp_load(rest, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
     set_model_state_dict(model, rest["model"])
-    if isinstance(optimizer, EKFAC):
-        _ekfac_load(model, optimizer, rest["optim"],
-                    {**counters, "layers": layers, "generator": row_state})
-        return
     set_optimizer_state_dict(model, optimizer, rest["optim"])
-    assert preconditioner is not None
-    preconditioner.load_state_dict({**counters, "layers": layers})
+    owner.load_kfac_state_dict(state)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kaisa.distributed.config import DistributedConfig
+from kaisa.distributed.config import DistributedConfig, EngineConfig
 from kaisa.utils.dtypes import working_dtype
 from kaisa.utils.enums import (
     AssignmentStrategy,
@@ -108,6 +108,10 @@ class KFACConfig:
             cover collectives outside kaisa, such as DDP's gradient allreduce: those are
             bounded by the process group's own timeout
             (``init_process_group(timeout=...)``; ``kaisa-train --pg-timeout``).
+        distributed: The distributed settings (``grad_worker_fraction`` to
+            ``collective_timeout``) as one :class:`~kaisa.DistributedConfig`, instead of
+            those keywords (giving both is a ``ValueError``); then it holds them validated
+            (:meth:`distributed_settings` gives them however they were given).
     """
 
     factor_update_steps: Schedule[int] = 1
@@ -135,12 +139,14 @@ class KFACConfig:
     cross_attention: str | tuple[str, ...] | None = None
     loglevel: int = logging.DEBUG
     collective_timeout: float | None = None
+    distributed: DistributedConfig | None = field(default=None, compare=False)
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
     cross_attention_patterns: tuple[re.Pattern[str], ...] | None = field(
         init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
+        _take_distributed(self)
         check_int("factor_update_steps", self.factor_update_steps)
         check_int("inv_update_steps", self.inv_update_steps)
         for name in ("damping", "factor_decay", "lr"):
@@ -194,6 +200,8 @@ class KFACConfig:
                 raise ValueError("collective_timeout must be a number of seconds or None")
             check_float("collective_timeout", self.collective_timeout, low=0.0)
             set_(self, "collective_timeout", float(self.collective_timeout))
+        if self.distributed is not None:  # given: it holds the validated settings
+            set_(self, "distributed", self.distributed_settings())
         patterns = _parse_skip_layers(self.skip_layers)
         set_(self, "skip_layers", patterns)
         try:
@@ -225,7 +233,7 @@ class KFACConfig:
         out: dict[str, object] = {}
         for name in self.keywords():
             value = getattr(self, name)
-            if name in ("loglevel", "collective_timeout"):
+            if name in ("loglevel", "collective_timeout", "distributed"):
                 continue
             if name == "grad_scaler":
                 value = None if value is None else type(value).__qualname__
@@ -234,16 +242,40 @@ class KFACConfig:
             out[name] = value
         return out
 
-    def distributed(self, weight_dtype: torch.dtype) -> DistributedConfig:
+    def distributed_settings(self) -> DistributedConfig:
+        """The validated distributed settings, given as keywords or as ``distributed``."""
+        return DistributedConfig(
+            **{f.name: getattr(self, f.name) for f in fields(DistributedConfig)})
+
+    def engine_config(self, weight_dtype: torch.dtype) -> EngineConfig:
         """The part the distributed engine needs.
 
         Args:
             weight_dtype: The model's parameter dtype (the factors' when
                 ``factor_dtype`` is ``None``: at least float32).
         """
-        shared = {f.name: getattr(self, f.name) for f in fields(DistributedConfig)}
+        shared = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
         shared["factor_dtype"] = self.factor_dtype or working_dtype(weight_dtype)
-        return DistributedConfig(**shared)
+        return EngineConfig(**shared)
+
+
+def _take_distributed(config: KFACConfig) -> None:
+    """Takes ``config.distributed``'s settings (none of them given as keywords too)."""
+    given = config.distributed
+    if given is None:
+        return
+    if not isinstance(given, DistributedConfig):
+        raise ValueError("distributed must be a kaisa.DistributedConfig, got "
+                         f"{type(given).__name__}")
+    defaults = {f.name: f.default for f in fields(KFACConfig)}
+    names = [f.name for f in fields(DistributedConfig)]
+    both = [n for n in names  # (a copy, as dataclasses.replace makes one, has both: the same)
+            if getattr(config, n) != defaults[n] and getattr(config, n) != getattr(given, n)]
+    if both:
+        raise ValueError(f"give the distributed settings either as distributed= or as "
+                         f"keywords, not both: {both} given as keywords too")
+    for name in names:
+        object.__setattr__(config, name, getattr(given, name))
 
 
 def _parse_layer_kinds(value: object) -> tuple[str, ...]:

@@ -122,7 +122,7 @@ class KFACCurvature:
             if not block.diagonal:
                 block.method = self._method
         self._engine = DistributedEngine(
-            blocks, config.distributed(_weight_dtype(blocks)), self._method, timings=self._timings
+            blocks, config.engine_config(_weight_dtype(blocks)), self._method, timings=self._timings
         )
         self._recorder = StatisticsRecorder(
             blocks,
@@ -198,11 +198,11 @@ class KFACCurvature:
         self.check_same_on_ranks({"layers": [(n, b.kind, tuple(b.dims)) for n, b in
                                              blocks.items()]}, what="K-FAC layers")
         old = self._engine
-        engine = DistributedEngine(blocks, config.distributed(_weight_dtype(self._blocks)),
+        engine = DistributedEngine(blocks, config.engine_config(_weight_dtype(self._blocks)),
                                    self._method, communicator=old.communicator,
                                    timings=self._timings)
         if engine.grid.fraction != old.grid.fraction:  # "auto" chose again: other groups
-            engine = DistributedEngine(blocks, config.distributed(_weight_dtype(self._blocks)),
+            engine = DistributedEngine(blocks, config.engine_config(_weight_dtype(self._blocks)),
                                        self._method, timings=self._timings)
         self._blocks, self._engine = blocks, engine
         self._recorder.retap(module, blocks)

@@ -1,6 +1,6 @@
 """Distributed K-FAC: one engine for every world size, which moves payloads it never reads.
 
-The engine (:mod:`kaisa.distributed.engine`, given a :class:`DistributedConfig`) with the
+The engine (:mod:`kaisa.distributed.engine`, given an :class:`EngineConfig`) with the
 KAISA strategies, the placement and the per-rank memory model; factor averaging, the
 decompositions' broadcasts and, under FSDP2, the blocks preconditioned one at a time
 (:mod:`kaisa.distributed.fsdp`); the communicators behind one protocol (a single
@@ -8,7 +8,7 @@ process's, and fused asynchronous buckets on ``torch.distributed``); and ``J v``
 parameters inside FSDP2's units (:mod:`kaisa.distributed.fsdp_tangents`).
 """
 
-from kaisa.distributed.config import DistributedConfig
+from kaisa.distributed.config import DistributedConfig, EngineConfig
 from kaisa.distributed.engine import BlockRule, DistributedEngine
 from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.memory import (
@@ -41,6 +41,7 @@ __all__ = [
     "CommStats",
     "Communicator",
     "DistributedConfig",
+    "EngineConfig",
     "DistributedEngine",
     "DistributedStrategy",
     "FactorSize",

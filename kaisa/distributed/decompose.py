@@ -16,7 +16,7 @@ from typing import TypeAlias
 import torch
 
 from kaisa.blocks import CurvatureBlock
-from kaisa.distributed.config import DistributedConfig
+from kaisa.distributed.config import EngineConfig
 from kaisa.distributed.packing import pack_symmetric, unpack_symmetric
 from kaisa.distributed.placement import Placement
 from kaisa.methods import Damping, Payload, SecondOrderMethod
@@ -35,7 +35,7 @@ def decompose_assigned(
     placement: Placement,
     rank: int,
     method: SecondOrderMethod,
-    config: DistributedConfig,
+    config: EngineConfig,
     warm_start: bool = False,
 ) -> dict[FactorKey, Payload | None]:
     """Decomposes the factors ``placement`` assigns to ``rank``, in one batch.

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.distributed.averaging import FactorAverages
-from kaisa.distributed.config import DistributedConfig
+from kaisa.distributed.config import EngineConfig
 from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
 from kaisa.distributed.fsdp import ShardedBlocks
 from kaisa.distributed.memory import (
@@ -86,7 +86,7 @@ class DistributedEngine:
     def __init__(
         self,
         layers: Mapping[str, CurvatureBlock],
-        config: DistributedConfig,
+        config: EngineConfig,
         method: SecondOrderMethod,
         *,
         communicator: Communicator | None = None,

@@ -30,13 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa.core.checkpoint import KFACState, check_generator_state
 from kaisa.core.config import KFACConfig
 from kaisa.core.curvature import KFACCurvature
+from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac.config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
 from kaisa.methods import EigenAdamMethod
 from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
 from kaisa.utils.first_order import AdamStep, adamw_update, step_count
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
+from kaisa.utils.optim_state import check_known, check_optimizer_state
 from kaisa.utils.profiling import phase
 from kaisa.utils.shards import rows_of
 
@@ -97,6 +100,9 @@ class EKFAC(torch.optim.Optimizer):
         allreduce_bucket_cap_mb: Fusion bucket capacity.
         collective_timeout: Seconds a kaisa collective may wait (``None``: the group's).
         loglevel: Logging level of the informational messages.
+        distributed: The distributed settings above (``grad_worker_fraction`` to
+            ``collective_timeout``) as one :class:`~kaisa.DistributedConfig`, as every
+            product takes them (not with those keywords too).
 
     Raises:
         ValueError: For invalid arguments (naming them).
@@ -138,6 +144,7 @@ class EKFAC(torch.optim.Optimizer):
         allreduce_bucket_cap_mb: float = 25.0,
         collective_timeout: float | None = None,
         loglevel: int = logging.DEBUG,
+        distributed: DistributedConfig | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -339,6 +346,8 @@ class EKFAC(torch.optim.Optimizer):
         extra = state_dict.get("kaisa") if isinstance(state_dict, dict) else None
         if not isinstance(extra, dict):
             raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.EKFAC state dict")
+        check_known("state_dict kaisa", extra, ("steps", "refreshes", "generator", "generators",
+                                                "layers", *self._schedules.names()))
         counters = {name: extra.get(name) for name in ("steps", "refreshes")}
         self.curvature.check_same_on_ranks(
             {**counters, **{n: extra.get(n) for n in self._schedules.names()}},
@@ -348,6 +357,7 @@ class EKFAC(torch.optim.Optimizer):
         generator = _saved_generator(extra)
         layers = extra.get("layers")
         self.curvature.check_state_dict(layers)
+        check_optimizer_state(state_dict, self.param_groups)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
         self.steps, self.refreshes = steps, refreshes
         if generator is not None:
@@ -357,15 +367,20 @@ class EKFAC(torch.optim.Optimizer):
         self.curvature.load_state_dict(layers, damping=0.0)
         self._arm()
 
+    def kfac_state_dict(self) -> KFACState:
+        """Counters and this rank's row generator, as :mod:`kaisa.checkpoint` takes them."""
+        counters = dict(self.state_dict(include_factors=False)["kaisa"])
+        return KFACState(counters=counters, generator=counters.pop("generator"),
+                         generator_per_rank=True)
 
-def check_generator_state(state: object) -> None:
-    """Raises ``ValueError`` unless ``state`` is a CPU ``torch.Generator``'s state."""
-    try:
-        if not isinstance(state, torch.Tensor):
-            raise TypeError(f"got {type(state).__name__}")
-        torch.Generator().set_state(state)
-    except (TypeError, RuntimeError, ValueError) as err:
-        raise ValueError(f"state_dict generator is not a generator state ({err})") from None
+    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """None: EKFAC steps every parameter itself."""
+        return {}
+
+    def load_kfac_state_dict(self, state: KFACState) -> None:
+        """Restores :meth:`kfac_state_dict` output, its ``layers`` and ``optimizers['self']``."""
+        self.load_state_dict({**state.optimizers.get("self", {}), "kaisa": {
+            **state.counters, "layers": dict(state.layers), "generator": state.generator}})
 
 
 def _saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:

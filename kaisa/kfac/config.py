@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kaisa.core.config import KFACConfig
+from kaisa.distributed.config import DistributedConfig
 from kaisa.kfac.amp import LossScaling
 from kaisa.kfac.losses import Loss, LossKind, Reduction
 from kaisa.utils.enums import parse_enum
@@ -102,6 +103,7 @@ class KFACOptimizerConfig:
             targets, the type-2 Fisher, or the adaptive mode); the fixed empirical mode
             keeps kfac-pytorch's convention.
         omega: The LM factor ``damping_decay ** damping_interval``.
+        scaling: The loss scaling that drives ``grad_scaler`` (validated once, here).
     """
 
     loss: Loss
@@ -126,6 +128,7 @@ class KFACOptimizerConfig:
     adaptive_momentum: bool = field(init=False)
     fisher_scaled: bool = field(init=False)
     omega: float = field(init=False)
+    scaling: LossScaling = field(init=False, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -136,6 +139,7 @@ class KFACOptimizerConfig:
         curvature: Curvature | str,
         jvp: JacobianMethod | str,
         preconditioner: dict[str, Any],
+        distributed: DistributedConfig | None = None,
         **arguments: Any,
     ) -> KFACOptimizerConfig:
         """Parses and validates the constructor's arguments.
@@ -146,12 +150,12 @@ class KFACOptimizerConfig:
             curvature: ``'mc'``, ``'type2'`` or ``'empirical'``.
             jvp: ``'forward'`` or ``'double_backward'``.
             preconditioner: The keyword arguments for the core (``KFACConfig`` fields).
+            distributed: The distributed settings (the core's ``distributed``).
             **arguments: The other :class:`~kaisa.KFAC` arguments.
 
         Raises:
             ValueError: Naming the invalid argument.
         """
-        LossScaling(arguments["grad_scaler"])  # validates it
         for reserved in ("damping", "lr"):
             if reserved in preconditioner:
                 raise ValueError(f"{reserved} is set by KFAC, not a preconditioner argument")
@@ -165,6 +169,7 @@ class KFACOptimizerConfig:
             "layer_kinds": ("linear", "conv2d", "conv1d", "attention"),
             **preconditioner,
             "grad_scaler": arguments["grad_scaler"],
+            "distributed": distributed,
         }
         return cls(
             loss=Loss.of(loss, reduction),
@@ -176,6 +181,7 @@ class KFACOptimizerConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: derived fields once
+        set_(self, "scaling", LossScaling(self.grad_scaler))
         _check_positive_int("mc_samples", self.mc_samples)
         _check_positive_int("damping_interval", self.damping_interval)
         adaptive_lr = _is_adaptive("lr", self.lr)

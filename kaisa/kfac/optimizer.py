@@ -26,11 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa.core.checkpoint import KFACState
 from kaisa.core.clipping import parameter_directions, write_preconditioned
 from kaisa.core.curvature import KFACCurvature
+from kaisa.distributed.config import DistributedConfig
 from kaisa.kfac import quadratic
 from kaisa.kfac import state as optimizer_state
-from kaisa.kfac.amp import HALF, LossScaling, full_precision_outputs
+from kaisa.kfac.amp import HALF, full_precision_outputs
 from kaisa.kfac.closure import Closure, call, replayed_loss
 from kaisa.kfac.config import (
     ADAPTIVE,
@@ -90,6 +92,9 @@ class KFAC(torch.optim.Optimizer):
             after the K-FAC update and its damping rule, on the raw gradients.
         max_momentum: Keep the adaptive momentum in ``[0, max_momentum]`` (the lr is then
             the model's minimiser given it); ``None``: unconstrained (kfac-jax's rule).
+        distributed: The distributed settings (``grad_worker_fraction``, ...) as one
+            :class:`~kaisa.DistributedConfig`, as every product takes them (not with
+            those keywords in ``preconditioner`` too).
         **preconditioner: Further :class:`~kaisa.KFACPreconditioner` arguments
             (``factor_update_steps``, ``inv_update_steps``, ``factor_decay``, ``kl_clip``
             for the fixed mode, ``grad_worker_fraction``, ...).
@@ -120,6 +125,7 @@ class KFAC(torch.optim.Optimizer):
         grad_scaler: Any = None,
         first_order: FirstOrder | None = None,
         max_momentum: float | None = 1.0,
+        distributed: DistributedConfig | None = None,
         **preconditioner: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -142,7 +148,7 @@ class KFAC(torch.optim.Optimizer):
         defaults = {"lr": config.fixed("lr"), "momentum": config.fixed("momentum"),
                     "weight_decay": config.weight_decay}
         super().__init__(params, defaults)
-        self.scaling = LossScaling(grad_scaler)
+        self.scaling = config.scaling
         self._reduced_precision = False
         self._schedules = Schedules({name: getattr(config.kfac, name) for name in _SCHEDULES})
         #: Every name of each parameter (before FSDP2 may swap the module attributes).
@@ -413,6 +419,27 @@ class KFAC(torch.optim.Optimizer):
         if self.first_order is not None and saved.first_order is not None:
             self.first_order.load_state_dict(saved.first_order)
         self._arm()
+
+    def kfac_state_dict(self) -> KFACState:
+        """Counters, damping and the sampler's state, as :mod:`kaisa.checkpoint` takes them."""
+        extra = self.state_dict()["kaisa"]  # the blocks' tensors not copied: cheap
+        counters = {k: v for k, v in extra.items() if k not in ("generator", "first_order")}
+        counters["preconditioner"] = {k: v for k, v in extra["preconditioner"].items()
+                                      if k != "layers"}
+        return KFACState(counters=counters, generator=extra["generator"])
+
+    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """Its first-order optimizer (``None`` without one), for the uncovered parameters."""
+        return {"first_order": self.first_order}
+
+    def load_kfac_state_dict(self, state: KFACState) -> None:
+        """Restores :meth:`kfac_state_dict` output, its ``layers`` and ``optimizers``."""
+        inner = state.counters.get("preconditioner")
+        extra = {**state.counters, "generator": state.generator, "preconditioner": {
+            **(inner if isinstance(inner, dict) else {}), "layers": dict(state.layers)}}
+        if "first_order" in state.optimizers:
+            extra["first_order"] = state.optimizers["first_order"]
+        self.load_state_dict({**state.optimizers.get("self", {}), "kaisa": extra})
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -17,13 +17,10 @@ from typing import Any
 import torch
 
 from kaisa.core.curvature import KFACCurvature
-from kaisa.utils.finite import all_finite
 from kaisa.utils.hyperparams import Schedules, check_count
+from kaisa.utils.optim_state import check_known, check_optimizer_state
 
 __all__ = ["Checked", "checked", "saved"]
-
-#: Per-parameter optimizer state that must have the parameter's shape.
-_PARAMETER_STATE = ("velocity", "momentum_buffer")
 
 
 def saved(
@@ -79,6 +76,9 @@ def checked(
         raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.KFAC state dict")
     assert isinstance(state_dict, Mapping)
     saved = extra["preconditioner"]
+    check_known("state_dict kaisa", extra,
+                ("preconditioner", "damping", "steps", "generator", "first_order"))
+    check_known("state_dict preconditioner", saved, ("steps", "layers", *schedules.names()))
     loaded = {"steps": extra.get("steps"), "damping": extra.get("damping"),
               **{name: saved.get(name) for name in schedules.names()}}
     curvature.check_same_on_ranks(loaded, what="loaded KFAC state")
@@ -104,7 +104,7 @@ def checked(
         torch.Generator().set_state(generator)
     except (TypeError, RuntimeError, ValueError) as err:
         raise ValueError(f"state_dict generator is not a generator state ({err})") from None
-    _check_parameter_state(state_dict, param_groups)
+    check_optimizer_state(state_dict, param_groups)
     rule = extra.get("first_order")
     if (first_order is None) != (rule is None):
         raise ValueError(
@@ -113,29 +113,12 @@ def checked(
             f"has {'one' if first_order is not None else 'none'} (another lr mode or coverage?)"
         )
     if first_order is not None and rule is not None:
+        if not isinstance(rule, dict):
+            raise ValueError(f"state_dict first_order is a {type(rule).__name__}, not a dict")
+        check_optimizer_state(rule, first_order.param_groups, what="state_dict first_order",
+                              strict_groups=False)
         try:
             copy.deepcopy(first_order).load_state_dict(rule)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             raise ValueError(f"state_dict first_order does not fit ({err})") from None
     return Checked(steps, float(damping), preconditioner, layers, generator, rule)
-
-
-def _check_parameter_state(
-    state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]]
-) -> None:
-    """Momentum buffers must have their parameter's shape and be finite."""
-    state, groups = state_dict.get("state"), state_dict.get("param_groups")
-    if not isinstance(state, Mapping) or not isinstance(groups, list):
-        raise ValueError("state_dict has no optimizer 'state' and 'param_groups'")
-    for group, saved_group in zip(param_groups, groups, strict=False):
-        for p, index in zip(group["params"], saved_group.get("params", ()), strict=False):
-            for key in _PARAMETER_STATE:
-                t = state.get(index, {}).get(key)
-                if t is None:
-                    continue
-                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
-                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else t
-                    raise ValueError(f"state_dict {key} of parameter {index} is {shape!r}, "
-                                     f"the parameter's shape is {tuple(p.shape)}")
-                if not bool(all_finite(t)):
-                    raise ValueError(f"state_dict {key} of parameter {index} is not finite")

@@ -18,12 +18,14 @@ import torch
 from torch import nn
 
 from kaisa.blocks import CurvatureBlock
+from kaisa.core.checkpoint import KFACState
 from kaisa.core.clipping import write_preconditioned
 from kaisa.core.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
 from kaisa.core.curvature import KFACCurvature
-from kaisa.distributed import Communicator, FactorSize, MemoryEstimate, Placement
+from kaisa.distributed import Communicator, DistributedConfig, FactorSize, MemoryEstimate, Placement
 from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
+from kaisa.utils.optim_state import check_known
 
 __all__ = ["KFACPreconditioner"]
 
@@ -43,7 +45,9 @@ class KFACPreconditioner:
     Distributed training (``docs/distributed.md``): when ``torch.distributed`` is
     initialised with more than one rank, the work is split with KAISA's
     ``grad_worker_fraction`` (:class:`DistributedStrategy`, a float in ``(0, 1]`` or
-    ``'auto'`` with ``memory_budget_mb``). Factors are averaged over ranks by fused
+    ``'auto'`` with ``memory_budget_mb``; these settings, kfac-pytorch's keywords, may be given
+    together as ``distributed=kaisa.DistributedConfig(...)``, as every product takes them,
+    but not both ways). Factors are averaged over ranks by fused
     asynchronous allreduces started from the backward hooks; each layer's decompositions
     are computed by the rank(s) the placement assigns and broadcast to the layer's
     gradient workers, which precondition the gradient and broadcast it to the other
@@ -81,6 +85,7 @@ class KFACPreconditioner:
         cross_attention: str | list[str] | None = None,
         loglevel: int = logging.DEBUG,
         collective_timeout: float | None = None,
+        distributed: DistributedConfig | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -322,6 +327,7 @@ class KFACPreconditioner:
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError("state_dict has no 'steps' entry; not a kaisa state dict")
+        check_known("state_dict", state_dict, ("steps", "layers", *self._schedules.names()))
         loaded = {name: state_dict.get(name) for name in ("steps", *self._schedules.names())}
         self._curvature.check_same_on_ranks(loaded, what="loaded K-FAC state")
         if "steps" not in state_dict:
@@ -338,6 +344,18 @@ class KFACPreconditioner:
             self._curvature.load_state_dict(
                 layers, damping=self.damping, compute_inverses=compute_inverses
             )
+
+    def kfac_state_dict(self) -> KFACState:
+        """Its counters, as :mod:`kaisa.checkpoint` takes them (no generator)."""
+        return KFACState(counters=self.state_dict(include_factors=False))
+
+    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """None: the optimizer stepped after it is the user's, checkpointed as torch's."""
+        return {}
+
+    def load_kfac_state_dict(self, state: KFACState) -> None:
+        """Restores :meth:`kfac_state_dict` output and ``state.layers`` (checked whole)."""
+        self.load_state_dict({**state.counters, "layers": dict(state.layers)})
 
     def memory_estimates(self) -> dict[Fraction, MemoryEstimate]:
         """Modelled per-rank K-FAC memory for every valid ``grad_worker_fraction``.

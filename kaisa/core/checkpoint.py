@@ -1,0 +1,80 @@
+"""What a product gives :mod:`kaisa.checkpoint` and takes back: one protocol for all three.
+
+:class:`~kaisa.KFACPreconditioner`, :class:`~kaisa.EKFAC` and :class:`~kaisa.KFAC` each
+implement :class:`KFACCheckpointable`; the checkpoint code calls these methods only, and
+never asks which product it holds. A product declares its counters (JSON numbers, the
+same on every rank), its random generator's state (if any) and whether that generator is
+rank-local, and the optimizers it drives beside itself (:class:`~kaisa.KFAC`'s first-order
+one); it takes all of it back, checked whole, in :meth:`KFACCheckpointable.load_kfac_state_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kaisa.core.curvature import KFACCurvature
+
+__all__ = ["KFACCheckpointable", "KFACState", "check_generator_state"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACState:
+    """A product's K-FAC state beside its per-block tensors.
+
+    Attributes:
+        counters: Step counters, schedules' numbers and the like: JSON values, the same
+            on every rank.
+        generator: The state of the product's random generator, ``None`` without one.
+        generator_per_rank: Whether each rank's generator differs (seeded per rank), so a
+            checkpoint keeps one per rank; else it is the same on every rank (one copy).
+        layers: Per block, its entries (factors, decompositions); empty when the per-block
+            state is saved separately (as :mod:`kaisa.checkpoint` does).
+        optimizers: For a product that is itself the optimizer: its own torch state
+            (``'self'``) and that of the optimizers it drives (by name), each as
+            ``torch.optim.Optimizer.state_dict`` gives it; empty otherwise.
+    """
+
+    counters: dict[str, Any]
+    generator: torch.Tensor | None = None
+    generator_per_rank: bool = False
+    layers: Mapping[str, Any] = field(default_factory=dict)
+    optimizers: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class KFACCheckpointable(Protocol):
+    """What :mod:`kaisa.checkpoint` needs of a product (each of the three implements it)."""
+
+    @property
+    def curvature(self) -> KFACCurvature:
+        """The curvature core (its blocks, engine and placement)."""
+        ...
+
+    def kfac_state_dict(self) -> KFACState:
+        """The counters and the generator's state (no per-block tensors, no copies)."""
+        ...
+
+    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """The optimizers the product drives beside itself, by name (``None``: absent here)."""
+        ...
+
+    def load_kfac_state_dict(self, state: KFACState) -> None:
+        """Restores ``state`` (with its ``layers``), checked whole first.
+
+        Raises:
+            ValueError: If any part is malformed or does not fit; nothing is changed.
+        """
+        ...
+
+
+def check_generator_state(state: object) -> None:
+    """Raises ``ValueError`` unless ``state`` is a CPU ``torch.Generator``'s state."""
+    try:
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"got {type(state).__name__}")
+        torch.Generator().set_state(state)
+    except (TypeError, RuntimeError, ValueError) as err:
+        raise ValueError(f"state_dict generator is not a generator state ({err})") from None
