@@ -37,6 +37,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kaisa.utils.ranks import rank, world_size
+
 __all__ = ["KFACStateful", "StateDictProduct"]
 
 
@@ -71,7 +73,7 @@ class KFACStateful:
         """
         buffer = io.BytesIO()
         torch.save(self.product.state_dict(), buffer)
-        return {"meta": self._meta(), f"rank{_rank()}": buffer.getvalue()}
+        return {"meta": self._meta(), f"rank{rank()}": buffer.getvalue()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores this rank's state with the product's ``load_state_dict``.
@@ -85,28 +87,18 @@ class KFACStateful:
             raise ValueError(f"the checkpoint's K-FAC state was saved by {meta!r}, this is "
                              f"{mine!r} (to change the world size use kaisa.checkpoint.save "
                              "and load)")
-        blob = state_dict.get(f"rank{_rank()}")
+        blob = state_dict.get(f"rank{rank()}")
         if not isinstance(blob, bytes) or not blob:
-            raise ValueError(f"the checkpoint holds no K-FAC state of rank {_rank()}")
+            raise ValueError(f"the checkpoint holds no K-FAC state of rank {rank()}")
         try:
             saved = torch.load(io.BytesIO(blob), weights_only=True)
         except (RuntimeError, ValueError, EOFError) as err:
-            raise ValueError(f"the checkpoint's K-FAC state of rank {_rank()} does not "
+            raise ValueError(f"the checkpoint's K-FAC state of rank {rank()} does not "
                              f"load ({err})") from None
         if not isinstance(saved, dict):
-            raise ValueError(f"the checkpoint's K-FAC state of rank {_rank()} is a "
+            raise ValueError(f"the checkpoint's K-FAC state of rank {rank()} is a "
                              f"{type(saved).__name__}, not a state dict")
         self.product.load_state_dict(saved)
 
     def _meta(self) -> str:
-        return json.dumps({"product": type(self.product).__name__, "world_size": _world()})
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return json.dumps({"product": type(self.product).__name__, "world_size": world_size()})

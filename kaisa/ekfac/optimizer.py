@@ -41,6 +41,7 @@ from kaisa.utils.first_order import AdamStep, adamw_update, step_count
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
 from kaisa.utils.optim_state import check_known, check_optimizer_state
 from kaisa.utils.profiling import phase
+from kaisa.utils.ranks import rank, world_size
 from kaisa.utils.shards import rows_of
 
 __all__ = ["EKFAC", "BasisRefresh"]
@@ -171,7 +172,7 @@ class EKFAC(torch.optim.Optimizer):
                                      "factor_decay": factor_decay})
         self._method = EigenAdamMethod()
         #: The row subsets' generator (``factor_rows``): advanced only by their draws.
-        self.row_generator = torch.Generator().manual_seed(config.seed + _rank())
+        self.row_generator = torch.Generator().manual_seed(config.seed + rank())
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2,
                                        settings=config.settings(), method=self._method,
                                        factor_rows=config.factor_rows,
@@ -387,7 +388,7 @@ def _saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:
     """This rank's row-generator state in a ``'kaisa'`` state (checked), or ``None``."""
     every = extra.get("generators")
     if every is not None:
-        world = _world_size()
+        world = world_size()
         if not isinstance(every, list | tuple) or len(every) != world:
             raise ValueError(f"state_dict generators must be a list of {world} generator "
                              f"states (one per rank), got {type(every).__name__}"
@@ -398,7 +399,7 @@ def _saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:
     if generator is not None:
         check_generator_state(generator)
     if every is not None:
-        mine = every[_rank()]
+        mine = every[rank()]
         assert isinstance(mine, torch.Tensor)
         return mine
     return generator
@@ -406,23 +407,12 @@ def _saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:
 
 def _gathered(state: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``state``, by rank (a collective when ``torch.distributed`` runs)."""
-    world = _world_size()
+    world = world_size()
     if world == 1:
         return [state]
     out: list[Any] = [None] * world
     torch.distributed.all_gather_object(out, state)
     return [t.clone() for t in out]
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    """This process's rank (0 without an initialised ``torch.distributed``)."""
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _groups(

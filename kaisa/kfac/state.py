@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kaisa.core.checkpoint import check_generator_state
 from kaisa.core.curvature import KFACCurvature
 from kaisa.utils.hyperparams import Schedules, check_count
 from kaisa.utils.optim_state import check_known, check_optimizer_state
@@ -98,12 +99,8 @@ def checked(
     if layers is not None:
         curvature.check_state_dict(layers)
     generator = extra.get("generator")
-    try:
-        if not isinstance(generator, torch.Tensor):
-            raise TypeError(f"got {type(generator).__name__}")
-        torch.Generator().set_state(generator)
-    except (TypeError, RuntimeError, ValueError) as err:
-        raise ValueError(f"state_dict generator is not a generator state ({err})") from None
+    check_generator_state(generator)
+    assert isinstance(generator, torch.Tensor)
     check_optimizer_state(state_dict, param_groups)
     rule = extra.get("first_order")
     if (first_order is None) != (rule is None):
