@@ -30,7 +30,7 @@ LD_PRELOAD="$PRELOAD" "$PYTHON" -m tools.simt.build --sanitize
 t1=$(date +%s)
 echo "simt_sanitize: ASan + UBSan build ready in $((t1 - t0))s"
 # -s: a sanitizer report goes to the terminal, not into pytest's captured output.
-LD_PRELOAD="$PRELOAD" "$PYTHON" -m pytest -q -s -p no:cacheprovider tests/ops/test_simt.py \
+LD_PRELOAD="$PRELOAD" "$PYTHON" -m pytest -q -s -p no:cacheprovider -m "" tests/ops/test_simt.py \
   tests/ops/test_cuda_host_work.py \
   tests/ops/test_cuda_eigh_status.py \
   tests/ops/test_cuda_ops.py \

@@ -49,8 +49,6 @@ from kaisa import checkpoint
 from tests.distributed.test_fsdp import Net, _data
 from tests.support.dist import run_distributed, run_distributed_raw
 
-pytestmark = pytest.mark.distributed
-
 SAVE_WORLD = 2
 K, N = 2, 3  # decompositions at steps 0 and 3: the checkpoint falls between them
 RTOL, ATOL = 1e-8, 1e-10
@@ -226,6 +224,7 @@ def _entries(root: str, i: int) -> dict[str, set[str]]:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) -> None:
     """2 ranks save; 2 fresh ranks resume bit for bit; 1 rank continues within rounding."""
@@ -275,6 +274,7 @@ def test_dcp_resume_is_bit_exact_and_loads_at_another_world_size(tmp_path: Any) 
         assert "KFAC optimizer state (velocity) is not finite" in nan, nan
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("hsdp", [None, (2, 2)])
@@ -359,6 +359,7 @@ def _survivor_error(mode: str, strategy: str, collective_timeout: float | None,
     return err, float(err.split("[after ")[1].split("s]")[0])
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_fsdp2_dead_peer_fails_the_survivor_at_once() -> None:
     """A rank that exits: the survivor's next collective fails at once (measured: K-FAC's
@@ -369,6 +370,7 @@ def test_fsdp2_dead_peer_fails_the_survivor_at_once() -> None:
     assert waited < 5.0, err
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_fsdp2_collective_timeout_bounds_a_hung_peer() -> None:
     """COMM-OPT: the survivor waits for the hung rank's decompositions in K-FAC's broadcast;
@@ -379,6 +381,7 @@ def test_fsdp2_collective_timeout_bounds_a_hung_peer() -> None:
     assert waited < 2.0 + 5.0, err
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_fsdp2_gradient_gather_is_bounded_by_collective_timeout() -> None:

@@ -16,10 +16,13 @@ import torch
 
 from tools.simt.build import rewrite_launches
 
-pytestmark = pytest.mark.skipif(
-    torch.version.cuda is not None or torch.cuda.is_available(),
-    reason="the emulator emulates a CUDA device in torch's CPU build",
-)
+pytestmark = [
+    pytest.mark.emulator,
+    pytest.mark.skipif(
+        torch.version.cuda is not None or torch.cuda.is_available(),
+        reason="the emulator emulates a CUDA device in torch's CPU build",
+    ),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)

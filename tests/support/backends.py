@@ -31,9 +31,12 @@ def backend_params() -> list[Any]:
     return [
         pytest.param(
             "simt",
-            marks=pytest.mark.skipif(
-                not cpu_torch, reason="the emulator emulates a CUDA device in torch's CPU build"
-            ),
+            marks=[
+                pytest.mark.emulator,
+                pytest.mark.skipif(
+                    not cpu_torch, reason="the emulator emulates a CUDA device in torch's CPU build"
+                ),
+            ],
         )
     ]
 

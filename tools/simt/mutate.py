@@ -164,7 +164,7 @@ def _sync_tree(mutation: Mutation | None) -> None:
 
 def _pytest(sanitize: bool) -> tuple[int, str]:
     env = dict(os.environ, **{CSRC_ENV: str(WORK), "OMP_NUM_THREADS": "1"})
-    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *TESTS]
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "", *TESTS]
     if sanitize:
         env.update(KAISA_SIMT_SANITIZE="1", ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
                    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
