@@ -113,6 +113,7 @@ def test_step_floor_smoke(tmp_path: Path) -> None:
     assert abs(module.covariance_s(2048, 576, True) - 20e-6) < 1e-6
 
 
+@pytest.mark.slow
 def test_jvp_linearize_smoke(tmp_path: Path) -> None:
     """bench/jvp_linearize.py --smoke: every way runs, ``func_linearize`` equals today's J v."""
     module = load_bench("jvp_linearize")

@@ -448,6 +448,7 @@ def _compile_train(compiled: bool) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_compiled_model_trains_exactly_like_eager_without_a_dynamic_shape_break() -> None:
     dynamo.reset()
     for a, b in zip(_compile_train(False), _compile_train(True), strict=True):

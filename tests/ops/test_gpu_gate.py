@@ -31,6 +31,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ops.cuda_kernels_error() is None, reason="this build has its CUDA kernels")
 @pytest.mark.parametrize(
     "target",
