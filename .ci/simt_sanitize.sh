@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds the SIMT emulator (tests/simt: csrc/cuda/*.cu compiled as host C++) with
+# Builds the SIMT emulator (tools/simt: csrc/cuda/*.cu compiled as host C++) with
 # AddressSanitizer + UndefinedBehaviorSanitizer and runs the emulated CUDA kernel tests
-# (tests/test_simt.py, tests/test_cuda_ops.py) under it. An out-of-bounds access of a
+# (tests/ops/test_simt.py, tests/ops/test_cuda_ops.py) under it. An out-of-bounds access of a
 # kernel or of the host code (device memory is host memory here), a use after free
 # (e.g. a workspace freed before the queued work that uses it ran), or undefined
 # behaviour aborts the run. The plain (unsanitized) emulator runs in the normal test suite.
@@ -26,13 +26,13 @@ export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 t0=$(date +%s)
-LD_PRELOAD="$PRELOAD" "$PYTHON" -m tests.simt.build --sanitize
+LD_PRELOAD="$PRELOAD" "$PYTHON" -m tools.simt.build --sanitize
 t1=$(date +%s)
 echo "simt_sanitize: ASan + UBSan build ready in $((t1 - t0))s"
 # -s: a sanitizer report goes to the terminal, not into pytest's captured output.
-LD_PRELOAD="$PRELOAD" "$PYTHON" -m pytest -q -s -p no:cacheprovider tests/test_simt.py \
-  tests/test_cuda_host_work.py \
-  tests/test_cuda_eigh_status.py \
-  tests/test_cuda_ops.py \
-  tests/test_cuda_covariance_gemm.py
+LD_PRELOAD="$PRELOAD" "$PYTHON" -m pytest -q -s -p no:cacheprovider -m "" tests/ops/test_simt.py \
+  tests/ops/test_cuda_host_work.py \
+  tests/ops/test_cuda_eigh_status.py \
+  tests/ops/test_cuda_ops.py \
+  tests/ops/test_cuda_covariance_gemm.py
 echo "simt_sanitize: tests passed under ASan + UBSan in $(($(date +%s) - t1))s"

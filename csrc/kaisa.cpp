@@ -3,7 +3,7 @@
 // kaisa.h) and, when built as the Python extension kaisa._C, a minimal module
 // init.
 //
-// csrc/SCHEMAS.md documents these schemas; tests/test_ops.py checks it against
+// csrc/SCHEMAS.md documents these schemas; tests/ops/test_ops.py checks it against
 // the registered torch.ops.kaisa.*._schema, so the document cannot drift.
 
 #include "kaisa.h"

@@ -11,7 +11,7 @@ environment    15   GPU, driver, nvcc, torch, CuPy, compute-sanitizer: what is t
 build         150   ``python setup.py build_ext --inplace`` for the card's capability
                     (``TORCH_CUDA_ARCH_LIST``), ``MAX_JOBS`` = all cores; then the
                     extension must load with a CUDA kernel for every op
-tests          90   ``pytest -m gpu tests`` (``tests/test_cuda_ops.py`` and the other
+tests          90   ``pytest -m gpu tests`` (``tests/ops/test_cuda_ops.py`` and the other
                     CUDA suites on the ``cuda`` backend), 30 s a test, resumed past
                     a test that crashes the process (``bench/gpu/gpu_tests.py``)
 sanitizer      60   ``compute-sanitizer`` memcheck, racecheck and synccheck (a third of

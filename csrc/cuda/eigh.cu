@@ -498,7 +498,7 @@ EighOutputs eigh_queued(const at::Tensor& a_in, bool wait) {
     deferred_host_workspaces().reap();
     // A matrix with a non-finite entry is flagged from its input and handed to the
     // solver as the identity: on an H100, syevjBatched's status for a batch holding one
-    // NaN matrix did not flag exactly that matrix (tests/test_cuda_eigh_status.py), so
+    // NaN matrix did not flag exactly that matrix (tests/ops/test_cuda_eigh_status.py), so
     // the solvers' own NaN behaviour is not relied on, nor let near the other matrices.
     const at::Tensor bad_input = at::isfinite(a).flatten(1).all(-1).logical_not();
     vecs_cm.masked_fill_(bad_input.view({batch, 1, 1}), 0);

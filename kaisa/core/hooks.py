@@ -22,7 +22,7 @@ Under ``torch.compile`` the hooks make no timing calls (``time.perf_counter`` wo
 the graph); timings then cover only eager execution. Dynamo traces the output-gradient
 hook when it is registered, and its updates of Python state cost graph breaks around
 each registered layer (torch 2.13: 3 for a conv + linear model); results equal eager
-execution (tests/test_compile.py).
+execution (tests/core/test_compile.py).
 """
 
 from __future__ import annotations

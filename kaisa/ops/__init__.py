@@ -190,7 +190,7 @@ def _shifted_path(x: torch.Tensor, conv: ConvArgs) -> bool:
     is :func:`kaisa.ops._shifted.conv_covariance_shifted` (13 GEMMs of
     ``C`` columns for a 3x3 kernel instead of the compiled kernel's SYRK of ``9 C``
     columns; ``bench/kernels/conv_factor.py`` times both). Its planning is in Python ints (no host
-    synchronisation), so ``torch.compile`` traces it (tests/test_conv_shifted.py).
+    synchronisation), so ``torch.compile`` traces it (tests/ops/test_conv_shifted.py).
     """
     return _use_ext("conv_covariance", x.device) and _shifted.supports_shifted(x, conv)
 

@@ -38,7 +38,7 @@ __all__ = ["conv_covariance_shifted", "supports_shifted"]
 #: many products are added up. One GEMM over all ``N H W`` rows of a 3-channel input was
 #: 10-50x less accurate in float32 than the compiled kernel, and 8192-row chunks still 10x
 #: on a constant input near float32's range; 1024 is as accurate as the compiled kernel
-#: or more on both (``tests/test_conv_shifted.py``), at no measurable cost.
+#: or more on both (``tests/ops/test_conv_shifted.py``), at no measurable cost.
 _CHUNK = 1024
 
 

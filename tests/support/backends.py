@@ -1,8 +1,8 @@
-"""Where tests/test_cuda_ops.py runs the CUDA kernels: a GPU, or the SIMT emulator.
+"""Where tests/ops/test_cuda_ops.py runs the CUDA kernels: a GPU, or the SIMT emulator.
 
 ``'cuda'``: ``torch.ops.kaisa.*`` of the installed ``kaisa._C`` on a real device.
 ``'simt'``: ``torch.ops.kaisa_simt.*``, the same ``csrc/cuda/*.cu`` compiled as host
-C++ by ``tests/simt`` and executed on the CPU (device memory is host memory; see
+C++ by ``tools/simt`` and executed on the CPU (device memory is host memory; see
 ``docs/cuda-kernels.md``). A machine with a CUDA device uses the GPU, any other the
 emulator (which needs torch's CPU build: it emulates the CUDA device inside it).
 """
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 SCHEDULES = (0, 1)
-"""The emulator's thread orders: ascending and descending (tests/simt/src/fiber.cpp)."""
+"""The emulator's thread orders: ascending and descending (tools/simt/src/fiber.cpp)."""
 
 
 def backend_params() -> list[Any]:
@@ -31,9 +31,12 @@ def backend_params() -> list[Any]:
     return [
         pytest.param(
             "simt",
-            marks=pytest.mark.skipif(
-                not cpu_torch, reason="the emulator emulates a CUDA device in torch's CPU build"
-            ),
+            marks=[
+                pytest.mark.emulator,
+                pytest.mark.skipif(
+                    not cpu_torch, reason="the emulator emulates a CUDA device in torch's CPU build"
+                ),
+            ],
         )
     ]
 
@@ -155,7 +158,7 @@ class Backend:
 def load(name: str) -> Backend:
     """The backend ``name``, with the emulator built and loaded when it is ``'simt'``."""
     if name == "simt":
-        from tests.simt import build
+        from tools.simt import build
 
         build.load(sanitize=os.environ.get("KAISA_SIMT_SANITIZE", "") == "1")
     return Backend(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 # Op-level conv cases: (input shape, kernel, stride, padding, dilation, groups).
-# Used by tests/test_ops.py (both backends) and tests/test_cuda_ops.py.
+# Used by tests/ops/test_ops.py (both backends) and tests/ops/test_cuda_ops.py.
 ConvOpCase = tuple[
     tuple[int, int, int, int], tuple[int, int], tuple[int, int], tuple[int, int],
     tuple[int, int], int,

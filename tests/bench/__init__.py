@@ -1,0 +1,1 @@
+"""Tests of bench/ (the benchmarks' smoke forms and the GPU script)."""

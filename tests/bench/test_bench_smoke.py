@@ -1,0 +1,130 @@
+"""bench/step_cost/step_cost.py in its smoke form (tiny sizes, a few steps; no timing claims)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.bench import load_bench
+
+
+def test_step_cost_smoke(tmp_path: Path) -> None:
+    module = load_bench("step_cost")
+    out = tmp_path / "step_cost.json"
+    results = module.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert out.with_suffix(".png").stat().st_size > 0
+    tasks = results["tasks"]
+    assert set(tasks) == {"resnet32", "autoencoder", "gpt"}
+    assert set(tasks["gpt"]) == {"adamw", "adam", "kfac_pre 10/100 + adamw",
+                                 "kfac_pre 10/100 inverse + adamw", "kfac adaptive",
+                                 "kfac adaptive double_backward", "kfac adaptive reduce",
+                                 "ekfac", "ekfac reduce", "ekfac rows256"}
+    for entries in tasks.values():
+        for name, entry in entries.items():
+            split = entry["ms_by_category"]
+            assert entry["ms_per_step"] > 0 and split["forward"] > 0 and split["backward"] > 0
+            if entry["baseline"] is None:
+                assert split["factor statistics"] == 0 and "ratio" not in entry, name
+            else:
+                assert entry["ratio"] > 0 and entry["kfac_state_mib"] > 0, name
+                assert split["preconditioning"] > 0, name
+                if "10/100" not in name:  # its timed smoke steps record no factors
+                    assert split["factor statistics"] > 0, name
+    adaptive = tasks["autoencoder"]["kfac adaptive"]["ms_by_category"]
+    assert adaptive["quadratic model"] > 0 and adaptive["curvature backward (MC)"] > 0
+    assert "| gpt | ekfac |" in module.table(results)
+
+
+@pytest.mark.distributed
+def test_fsdp_memory_smoke(tmp_path: Path) -> None:
+    """bench/distributed/fsdp_memory.py --smoke: 2 gloo ranks, DDP and FSDP2, MEM-OPT and COMM-OPT."""
+    module = load_bench("fsdp_memory")
+    out = tmp_path / "fsdp_memory.json"
+    results = module.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert out.with_suffix(".png").stat().st_size > 0
+    rows = {(r["wrap"], r["strategy"]): r for r in results["rows"]}
+    assert set(rows) == set(module.CONFIGS) and all(r["world"] == 2 for r in rows.values())
+    for wrap in ("ddp", "fsdp2"):
+        mem, comm = rows[(wrap, "mem_opt")], rows[(wrap, "comm_opt")]
+        assert mem["grad_worker_fraction"] == 0.5 and comm["grad_worker_fraction"] == 1.0
+        # MEM-OPT keeps each block's decompositions on one rank, COMM-OPT on both.
+        assert mem["memory_max_rank"]["decompositions"] < comm["memory_max_rank"]["decompositions"]
+        assert mem["memory_max_rank"]["factors"] == comm["memory_max_rank"]["factors"] > 0
+        assert mem["model_bytes_per_step_max_rank"] > 0
+    # FSDP2 shards parameters, gradients and momentum (the position table's one row is not
+    # split: at most 60% of DDP's on any rank); the math is the same.
+    shard_kinds = ("parameters", "gradients", "optimizer")
+    for strategy in ("mem_opt", "comm_opt"):
+        ddp, fsdp = rows[("ddp", strategy)], rows[("fsdp2", strategy)]
+        for kind in shard_kinds:
+            assert fsdp["memory_max_rank"][kind] < 0.6 * ddp["memory_max_rank"][kind], kind
+        assert abs(fsdp["final_loss_rank0"] - ddp["final_loss_rank0"]) < 1e-4
+    # FSDP2 reduces each Kronecker block's factors to its owners (the diagonal blocks' are
+    # still averaged to every rank), so a rank keeps fewer running factors than under DDP.
+    for strategy in ("mem_opt", "comm_opt"):
+        assert (rows[("fsdp2", strategy)]["memory_max_rank"]["factors"]
+                < rows[("ddp", strategy)]["memory_max_rank"]["factors"]), strategy
+    # Gradient traffic: FSDP2 gathers to the workers (and sends rows back under MEM-OPT).
+    assert set(rows[("fsdp2", "mem_opt")]["kfac_bytes_per_step_max_rank"]) == {
+        "factor_reduce", "factors", "gradient_gather", "gradients"}
+    assert set(rows[("fsdp2", "comm_opt")]["kfac_bytes_per_step_max_rank"]) == {
+        "factor_reduce", "factors", "gradient_gather"}
+    assert set(rows[("ddp", "comm_opt")]["kfac_bytes_per_step_max_rank"]) == {"factors"}
+    assert "| 2 | fsdp2 | mem_opt |" in module.table(results)
+
+
+def test_step_floor_smoke(tmp_path: Path) -> None:
+    """bench/step_cost/step_floor.py --smoke on the committed step-cost runs: a row per target."""
+    module = load_bench("step_floor")
+    out = tmp_path / "step_floor.json"
+    results = module.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    rows = {(r["task"], r["configuration"]): r for r in results["rows"]}
+    assert set(rows) == set(module.ROWS)  # every configuration with a target
+    for key, r in rows.items():
+        assert r["target"] == module.ROWS[key]
+        assert 1.0 < r["floor_ratio"] <= r["measured_ratio"], key
+        assert r["gpu_projection_ratio"] > 1.0 and r["gpu_projection_baseline_ms"] > 0, key
+        floor, measured = r["floor_ms_by_category"], r["ms_by_category"]
+        assert set(floor) == set(measured) == set(r["floor_rule"]), key
+        for cat, (rule, _) in module.RULES.items():
+            if rule == "keep":
+                assert floor[cat] == measured[cat], (key, cat)
+            elif rule == "zero":
+                assert floor[cat] == 0.0, (key, cat)
+            elif rule in ("flops", "jvp"):
+                assert floor[cat] <= measured[cat], (key, cat)
+    # The flop counts from the shapes: ResNet-32 is ~69M multiply-adds per 32x32 image,
+    # its 31 convolutions and the classifier are the blocks; the GPT's 4 x 4 Linear/MHA
+    # blocks and the tied embedding; the autoencoder's first layer A = 785, G = 400.
+    resnet = module.shapes("resnet32", False)
+    assert 68e6 < resnet.fwd_flops / 2 / 128 < 70e6 and len(resnet.blocks) == 32
+    first = module.shapes("autoencoder", False).blocks[0]
+    assert (first.rows, first.a, first.g) == (256, 785, 400)
+    assert module.factor_flops(first, True) == 2 * 256 * (785 ** 2 + 400 ** 2)
+    assert sum(b.tied for b in module.shapes("gpt", False).blocks) == 1
+    shifted = [b for b in resnet.blocks if b.a_cpu_flops < 2 * b.rows * b.a ** 2]
+    assert len(shifted) == 28  # the stride-1 3x3 layers with >= 8 channels
+    # choose_covariance's documented example: d = 576, 2048 rows, TF32 GEMM ~20 us.
+    assert abs(module.covariance_s(2048, 576, True) - 20e-6) < 1e-6
+
+
+@pytest.mark.slow
+def test_jvp_linearize_smoke(tmp_path: Path) -> None:
+    """bench/experiments/jvp_linearize.py --smoke: every way runs, ``func_linearize`` equals today's J v."""
+    module = load_bench("jvp_linearize")
+    out = tmp_path / "jvp_linearize.json"
+    results = module.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert set(results["probes"]) == {"nested_dual_level", "dual_of_a_dual",
+                                      "complex_tangent_through_linear"}
+    assert set(results["tasks"]) == {"autoencoder", "gpt"}
+    for entry in results["tasks"].values():
+        assert all(ms > 0 for ms in entry["median_ms"].values())
+        assert set(entry["projected_kfac_step_saving"]) == {"func_linearize",
+                                                            "cached_linear_map", "vmap_jvp"}
+        assert entry["float64_func_linearize_vs_today_relative"] < 1e-12

@@ -1,0 +1,142 @@
+"""The GPU script's parts that run anywhere: its runners, schema, table and results page.
+
+The script itself runs on a GPU (``bench/gpu/run.sh``); CI runs its dry run on the CPU
+(``.ci/run``). These tests check what its correctness rests on: a test or sanitizer case
+that kills the process is recorded and the run resumes after it, every committed result
+file is well formed, and the results page in docs/cuda-kernels.md is the rendering of
+the committed runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+
+import gpu_tests  # noqa: E402
+import report  # noqa: E402
+import sanitize  # noqa: E402
+from schema import validate  # noqa: E402
+from table import render  # noqa: E402
+
+CRASHING_TESTS = textwrap.dedent(
+    """
+    import os, signal
+
+    def test_a():
+        pass
+
+    def test_b_crashes():
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+    def test_c():
+        pass
+
+    def test_d_fails():
+        assert False, "the message"
+
+    def test_e_crashes_too():
+        os.kill(os.getpid(), signal.SIGSEGV)
+    """
+)
+
+
+@dataclass
+class _Done:
+    rc: int | None
+    output: str
+
+
+def _pytest_in(folder: Path) -> gpu_tests.Runner:
+    def run(args: list[str], seconds: float) -> _Done:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "bench" / "gpu")}
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=folder,
+            capture_output=True, text=True, timeout=seconds, check=False, env=env)
+        return _Done(res.returncode, res.stdout + res.stderr)
+
+    return run
+
+
+def test_a_crashing_test_is_recorded_and_the_run_resumes_after_it(tmp_path: Path) -> None:
+    (tmp_path / "test_crash.py").write_text(CRASHING_TESTS)
+    run = _pytest_in(tmp_path)
+    ids, _ = gpu_tests.collect(run, ["test_crash.py"], 60)
+    assert [i.split("::")[1] for i in ids] == ["test_a", "test_b_crashes", "test_c",
+                                               "test_d_fails", "test_e_crashes_too"]
+    logs: list[str] = []
+    result = gpu_tests.run_resumable(run, ids, 120, logs.append)
+    got = {i.split("::")[1]: o for i, o in result.outcome.items()}
+    assert got == {"test_a": "PASSED", "test_b_crashes": "CRASHED", "test_c": "PASSED",
+                   "test_d_fails": "FAILED", "test_e_crashes_too": "CRASHED"}
+    assert result.runs == 2 and len(logs) == 2  # the last crash ends the run: no test after it
+    summary = result.summary()
+    assert (summary["passed"], summary["failed"], summary["crashed"], summary["not_run"]) == (
+        2, 1, 2, 0)
+    assert "Segmentation fault" in summary["failures"]["test_crash.py::test_b_crashes"]
+    assert "the message" in summary["failures"]["test_crash.py::test_d_fails"]
+
+
+def test_a_sanitizer_stopping_at_a_case_resumes_after_it() -> None:
+    names = ["one", "two", "three", "four"]
+    outputs = iter([
+        _Done(1, "ok    one\n========= Internal Sanitizer Error\n"),  # stopped in "two"
+        _Done(sanitize.ERROR_EXIT, "ok    three\nFAIL  four: RuntimeError: x\n"
+              "========= ERROR SUMMARY: 2 errors\n"),
+    ])
+    calls: list[list[str]] = []
+
+    def run(args: list[str], seconds: float) -> _Done:
+        calls.append(args)
+        return next(outputs)
+
+    result = sanitize.run_tool(run, ["cs", "--tool", "racecheck", "cases"], names, 60,
+                               lambda text: None)
+    assert result["cases"] == {"one": "ok", "two": "crashed", "three": "ok", "four": "FAIL"}
+    assert result["status"] == "errors" and result["errors"] == 2
+    assert calls[1][-2:] == ["--after", "two"]
+
+
+def _committed() -> list[tuple[str, dict]]:
+    return report.load_runs()
+
+
+def test_committed_gpu_runs_are_well_formed_and_render() -> None:
+    runs = _committed()
+    for file, result in runs:
+        assert validate(result) == [], file
+        assert result["device"] in render(result)
+
+
+def test_the_schema_rejects_a_kernel_row_without_its_floor() -> None:
+    runs = [r for _, r in _committed() if r["stages"].get("kernels", {}).get("status") ==
+            "passed"]
+    if not runs:
+        pytest.skip("no committed run has kernel results")
+    broken = copy.deepcopy(runs[0])
+    row = next(iter(broken["stages"]["kernels"]["detail"]["results"]["covariance"].values()))
+    del row["floor_ms"]
+    assert any("floor_ms" in p for p in validate(broken))
+    broken["stages"]["tests"]["status"] = "fine"
+    assert any("bad status" in p for p in validate(broken))
+
+
+def test_the_results_page_is_the_rendering_of_the_committed_runs() -> None:
+    doc = (ROOT / "docs" / "cuda-kernels.md").read_text()
+    assert report.BEGIN in doc and report.END in doc
+    assert report.splice(doc, report.render_docs(_committed())) == doc, (
+        "docs/cuda-kernels.md is out of date: python bench/gpu/report.py --write "
+        "docs/cuda-kernels.md")
+
+
+def test_without_runs_the_page_says_never_run_on_a_gpu() -> None:
+    assert "Never run on a GPU" in report.render_docs([])

@@ -1,0 +1,1 @@
+"""Tests of the kaisa package as a whole: its layering and its dependencies."""

@@ -1,0 +1,1 @@
+"""Tests of kaisa.train (the kaisa-train application) and its models."""
