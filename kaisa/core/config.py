@@ -241,7 +241,9 @@ class KFACConfig:
             weight_dtype: The model's parameter dtype (the factors' when
                 ``factor_dtype`` is ``None``: at least float32).
         """
-        shared = {f.name: getattr(self, f.name) for f in fields(DistributedConfig)}
+        # Fields the engine alone takes (``cost_model``) keep their defaults here.
+        shared = {f.name: getattr(self, f.name) for f in fields(DistributedConfig)
+                  if hasattr(self, f.name)}
         shared["factor_dtype"] = self.factor_dtype or working_dtype(weight_dtype)
         return DistributedConfig(**shared)
 

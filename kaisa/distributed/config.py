@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kaisa.distributed.memory import FractionCost
 from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy
 
 __all__ = ["DistributedConfig"]
@@ -34,6 +35,11 @@ class DistributedConfig:
         factor_dtype: The factors' dtype (resolved, for the memory model).
         inv_dtype: The decompositions' dtype (payloads are sent in it).
         loglevel: Logging level of the placement report.
+        cost_model: The time objective of ``'auto'`` (a model with a compute profile,
+            such as :class:`kaisa.plan.FractionObjective`): ``'auto'`` then takes the
+            fraction it predicts fastest among those that fit ``memory_budget_mb`` (every
+            fraction when that is ``None``). ``None``: the memory rule of
+            :func:`~kaisa.distributed.choose_fraction`.
     """
 
     grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT
@@ -46,3 +52,4 @@ class DistributedConfig:
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
     loglevel: int = logging.DEBUG
+    cost_model: FractionCost | None = None
