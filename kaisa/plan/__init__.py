@@ -13,6 +13,7 @@ when given as :attr:`kaisa.distributed.DistributedConfig.cost_model`.
 from kaisa.plan.collectives import Algorithm, Collective, bucketed_time, collective_time, link_time
 from kaisa.plan.compute import ComputeProfile, KernelFit, fit_kernel, load_profile, microbenchmark
 from kaisa.plan.iteration import PHASES, FractionObjective, IterationModel, PlanConfig, StepCost
+from kaisa.plan.measure import measure_link, measured_network
 from kaisa.plan.network import PRESETS, Link, NetworkSpec, parse_network
 from kaisa.plan.search import Recommendation, recommend
 from kaisa.plan.workload import BlockShape, Workload, load_workload, workload_from_module
@@ -39,6 +40,8 @@ __all__ = [
     "link_time",
     "load_profile",
     "load_workload",
+    "measure_link",
+    "measured_network",
     "microbenchmark",
     "parse_network",
     "recommend",

@@ -13,8 +13,11 @@ all-to-all      ``(p-1)(alpha + nbeta/p)`` (``n``: the bytes one rank sends, in 
 ==============  =================================  ===================================
 
 :attr:`Algorithm.AUTO` takes the faster of the two, as NCCL's tuner does from its own
-alpha-beta table; a single rank costs nothing. Which link a group sees (inside a node, or
-across nodes sharing the NICs) is :meth:`kaisa.plan.network.NetworkSpec.group_link`.
+alpha-beta table. :attr:`Algorithm.GLOO` models gloo as the 4-rank measurements of
+``bench/distributed/plan_validation.py`` show it: ring allreduce, and broadcasts near
+``2 n beta`` at 4 ranks (a binomial tree), not a chain's ``n beta``. A single rank costs
+nothing. Which link a group sees (inside a node, or across nodes sharing the NICs) is
+:meth:`kaisa.plan.network.NetworkSpec.group_link`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Algorithm(enum.Enum):
     RING = "ring"
     TREE = "tree"
     AUTO = "auto"  # the faster of the two, as NCCL picks
+    GLOO = "gloo"  # ring allreduce, binomial-tree broadcast and reduce (gloo, as measured)
 
 
 def _log2(p: int) -> int:
@@ -74,9 +78,10 @@ def link_time(op: Collective, nbytes: float, p: int, link: Link,
     else:
         ring = (p - 1) * a + nbytes * b
         tree = _log2(p) * (a + nbytes * b)
-    if algorithm is Algorithm.RING:
+    if algorithm is Algorithm.RING or (algorithm is Algorithm.GLOO
+                                       and op is Collective.ALLREDUCE):
         return ring
-    if algorithm is Algorithm.TREE:
+    if algorithm in (Algorithm.TREE, Algorithm.GLOO):
         return tree
     return min(ring, tree)
 

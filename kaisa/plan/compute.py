@@ -15,8 +15,11 @@ its ``kernels`` stage), or from a JSON this module wrote (:meth:`ComputeProfile.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -31,19 +34,37 @@ __all__ = ["ComputeProfile", "KernelFit", "fit_kernel", "load_profile", "microbe
 
 @dataclass(frozen=True, kw_only=True)
 class KernelFit:
-    """``t = overhead_s + work / rate``.
+    """``t = overhead_s + work / rate``, or the measured points themselves.
+
+    With ``points`` (``(work, seconds)`` pairs, sorted by work) a time inside their range
+    is interpolated linearly in log-log space (so every measured size is reproduced) and
+    one outside it is extrapolated from the nearest point at the fitted rate; without
+    them the line is used.
 
     Attributes:
         overhead_s: Seconds per call.
         rate: Work units per second (flops for GEMMs, ``n^3`` units for ``eigh``).
+        points: The measurements the fit came from (may be empty).
     """
 
     overhead_s: float
     rate: float
+    points: tuple[tuple[float, float], ...] = ()
 
     def time(self, work: float) -> float:
         """Seconds of one call doing ``work`` units."""
-        return self.overhead_s + work / self.rate
+        pts = self.points
+        if len(pts) < 2 or work <= 0:
+            return self.overhead_s + max(work, 0.0) / self.rate
+        if work <= pts[0][0]:
+            return max(self.overhead_s, pts[0][1] - (pts[0][0] - work) / self.rate)
+        if work >= pts[-1][0]:
+            return pts[-1][1] + (work - pts[-1][0]) / self.rate
+        for (w0, t0), (w1, t1) in itertools.pairwise(pts):
+            if w0 <= work <= w1:
+                x = (math.log(work) - math.log(w0)) / (math.log(w1) - math.log(w0))
+                return math.exp(math.log(t0) + x * (math.log(t1) - math.log(t0)))
+        return self.overhead_s + work / self.rate  # unreachable: the points are sorted
 
 
 def fit_kernel(samples: Sequence[tuple[float, float]]) -> KernelFit:
@@ -71,7 +92,9 @@ def fit_kernel(samples: Sequence[tuple[float, float]]) -> KernelFit:
     if c0 < 0 or c1 <= 0:
         c0 = 0.0
         c1 = sxy / sxx if sxx > 0 else 0.0
-    return KernelFit(overhead_s=c0, rate=1.0 / c1 if c1 > 0 else float("inf"))
+    points = tuple(sorted((float(w), float(t)) for w, t in samples if w > 0 and t > 0))
+    return KernelFit(overhead_s=c0, rate=1.0 / c1 if c1 > 0 else float("inf"),
+                     points=points)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,15 +127,25 @@ class ComputeProfile:
 
     def eigh_s(self, n: int, count: int = 1) -> float:
         """Seconds of one batched call decomposing ``count`` matrices of size ``n``."""
-        return self.eigh.overhead_s + count * float(n) ** 3 / self.eigh.rate
+        return self.eigh.time(count * float(n) ** 3)
 
     def gemm_s(self, flops: float) -> float:
         """Seconds of ``flops`` of large GEMMs (the covariance rate, no overhead)."""
         return flops / self.covariance.rate
 
     def to_json(self) -> dict[str, Any]:
-        """The profile as JSON-ready data (:func:`load_profile` reads it back)."""
+        """The profile as JSON-ready data (:meth:`from_json` reads it back)."""
         return {"kaisa_plan_profile": 1, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], source: str | None = None) -> ComputeProfile:
+        """The profile :meth:`to_json` wrote."""
+        fits = {k: KernelFit(overhead_s=data[k]["overhead_s"], rate=data[k]["rate"],
+                             points=tuple((float(w), float(t))
+                                          for w, t in data[k].get("points", ())))
+                for k in ("covariance", "precondition", "eigh")}
+        return cls(device=data["device"], source=source or data.get("source", "?"),
+                   step_s=data.get("step_s"), **fits)
 
 
 _EIGH = re.compile(r"^n(\d+)-b(\d+)-float32$")
@@ -159,40 +192,35 @@ def load_profile(path: str | Path) -> ComputeProfile:
     """
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     if "kaisa_plan_profile" in data:
-        fits = {k: KernelFit(**data[k]) for k in ("covariance", "precondition", "eigh")}
-        return ComputeProfile(device=data["device"], source=str(path), step_s=data.get("step_s"),
-                              **fits)
+        return ComputeProfile.from_json(data, str(path))
     return _from_gpu_script(data, str(path))
 
 
-def _gram(x: torch.Tensor) -> torch.Tensor:
-    return x.T @ x
-
-
-def _eigen_precondition(q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return q @ ((q.T @ g @ q) / 2) @ q.T
-
-
 def _best_time(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    """The median of ``repeats`` timed calls after a warm-up (the median keeps contention)."""
     fn()
     sync()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def microbenchmark(device: str | torch.device = "cpu", *, quick: bool = True,
-                   repeats: int = 3) -> ComputeProfile:
-    """Times the three kernels at a few sizes on ``device`` and fits them.
+                   repeats: int = 5) -> ComputeProfile:
+    """Times kaisa's three kernels at a few sizes on ``device`` and fits them.
+
+    The kernels are the ones a step runs: :func:`kaisa.ops.covariance`,
+    :func:`kaisa.methods.linalg.eigen_decompositions` (its size-grouped ``eigh`` with the
+    fallback ladder) and :func:`kaisa.ops.eigen_precondition`.
 
     Args:
         device: Where to time.
         quick: Small sizes only (about a second on a CPU core).
-        repeats: Timed calls per size (the best is kept).
+        repeats: Timed calls per size (the median is kept).
 
     Returns:
         The fitted profile.
@@ -200,18 +228,28 @@ def microbenchmark(device: str | torch.device = "cpu", *, quick: bool = True,
     dev = torch.device(device)
     sync: Callable[[], None] = (
         (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None))
-    sizes = (64, 128, 256) if quick else (128, 256, 512, 1024, 2048)
+    from kaisa import ops
+    from kaisa.methods import linalg
+
+    sizes = (64, 128, 256, 384) if quick else (128, 256, 512, 1024, 2048)
     gen = torch.Generator(device="cpu").manual_seed(0)
     cov, pre, eig = [], [], []
     for n in sizes:
         rows = 4 * n
         x = torch.randn(rows, n, generator=gen).to(dev)
-        q = torch.randn(n, n, generator=gen).to(dev)
-        g = torch.randn(n, n, generator=gen).to(dev)
-        s = x.T @ x / rows + torch.eye(n, device=dev)
-        cov.append((2.0 * rows * n * n, _best_time(partial(_gram, x), sync, repeats)))
-        pre.append((8.0 * n**3, _best_time(partial(_eigen_precondition, q, g), sync, repeats)))
-        eig.append((float(n) ** 3, _best_time(partial(torch.linalg.eigh, s), sync, repeats)))
+        s = ops.covariance(x, 1.0 / rows) + torch.eye(n, device=dev)
+        eigen = linalg.eigen_decompositions([s.unsqueeze(0)], inv_dtype=torch.float32)[0]
+        assert eigen is not None
+        q, d = eigen.eigenvectors, eigen.eigenvalues
+        g = torch.randn(1, n, n, generator=gen).to(dev)
+        dgda = 1.0 / (d.unsqueeze(-1) * d.unsqueeze(-2) + 1e-3)
+        cov.append((2.0 * rows * n * n,
+                    _best_time(partial(ops.covariance, x, 1.0 / rows), sync, repeats)))
+        pre.append((8.0 * n**3, _best_time(partial(ops.eigen_precondition, g, q, q, dgda=dgda),
+                                            sync, repeats)))
+        eig.append((float(n) ** 3, _best_time(
+            partial(linalg.eigen_decompositions, [s.unsqueeze(0)], inv_dtype=torch.float32),
+            sync, repeats)))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} "
     name += f"({torch.get_num_threads()} threads)" if dev.type == "cpu" else ""
     return ComputeProfile(device=name.strip(), source="microbenchmark",

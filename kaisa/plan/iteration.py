@@ -255,6 +255,21 @@ class IterationModel:
                     total += b.groups * self.compute.covariance_s(b.rows, n)
         return total
 
+    def factor_bytes(self) -> float:
+        """Bytes of every block's A and G factors (packed when ``symmetry_aware``)."""
+        cfg = self.config
+        return float(sum(
+            b.groups * (n if side in b.diagonal_sides else
+                        n * (n + 1) // 2 if cfg.symmetry_aware else n * n)
+            for b in self.workload.blocks
+            for side, n in ((Side.A, b.a_dim), (Side.G, b.g_dim))) * cfg.factor_itemsize)
+
+    def factor_allreduce_seconds(self, world_size: int) -> float:
+        """The whole factor allreduce, not overlapped (buckets of ``bucket_cap_mb``)."""
+        return bucketed_time(Collective.ALLREDUCE, self.factor_bytes(),
+                             tuple(range(world_size)), self.network,
+                             self.config.bucket_cap_mb * _MB, self.config.algorithm)
+
     def _exposed_comm(self, world: tuple[int, ...], with_factors: bool) -> float:
         """Seconds the network runs past the backward pass (DDP and factor buckets, FIFO)."""
         key = (len(world), with_factors)

@@ -133,14 +133,14 @@ def _term(text: str, default_latency: float) -> tuple[int, Link]:
     return int(m["count"]), Link(bandwidth_Bps=bw, latency_s=lat)
 
 
-#: Named clusters. ``a100-thetagpu``: KAISA's (SC'21) ThetaGPU, DGX A100 nodes, 8 A100 with
-#: NVLink 3 (600 GB/s) and 8 HDR InfiniBand NICs of 200 Gb/s; ``spd-kfac``: SPD-KFAC's
-#: (ICDCS'21) 16 nodes of 4 GPUs with 100 Gb/s InfiniBand (PCIe inside a node, assumed
-#: 16 GB/s); ``h100-ib``: DGX H100 (NVLink 4, 900 GB/s; 8 NDR NICs of 400 Gb/s).
+#: Named clusters. ``dgx-a100`` (alias ``a100-ib``): NVIDIA DGX A100 nodes as NVIDIA
+#: specifies them, 8 A100 with NVLink 3 (600 GB/s) and 8 HDR InfiniBand NICs of 200 Gb/s
+#: (the node type of KAISA's A100 runs; alpha values are assumptions, not measurements);
+#: ``h100-ib``: DGX H100 (NVLink 4, 900 GB/s; 8 NDR NICs of 400 Gb/s); ``ethernet-10g``: one
+#: rank a node on 10 Gb/s Ethernet.
 PRESETS: dict[str, str] = {
-    "a100-thetagpu": "8x600GB/s@2us,8x200Gb/s@5us",
+    "dgx-a100": "8x600GB/s@2us,8x200Gb/s@5us",
     "a100-ib": "8x600GB/s@2us,8x200Gb/s@5us",
-    "spd-kfac": "4x16GB/s@5us,1x100Gb/s@5us",
     "h100-ib": "8x900GB/s@2us,8x400Gb/s@5us",
     "ethernet-10g": "1x10Gb/s@50us",
 }

@@ -89,3 +89,13 @@ def test_kernel_fit_recovers_a_line() -> None:
     assert fit.rate == pytest.approx(5e9, rel=1e-6)
     through_origin = fit_kernel([(1e6, 2e-3)])
     assert through_origin.overhead_s == 0 and through_origin.rate == pytest.approx(5e8)
+
+
+def test_kernel_fit_reproduces_its_measurements_and_extrapolates_at_its_rate() -> None:
+    samples = [(1e6, 1e-3), (8e6, 2e-3), (6.4e7, 3e-2)]  # not a line: a cache knee
+    fit = fit_kernel(samples)
+    for work, seconds in samples:
+        assert fit.time(work) == pytest.approx(seconds)
+    assert 2e-3 < fit.time(2e7) < 3e-2
+    assert fit.time(1.28e8) == pytest.approx(3e-2 + 6.4e7 / fit.rate)
+    assert fit.time(1e3) >= fit.overhead_s
