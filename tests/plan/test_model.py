@@ -132,3 +132,28 @@ def test_auto_with_a_cost_model_respects_the_budget_and_differs_from_the_memory_
                                          cost_model=slow_inverse))
     assert tight.grid.fraction == best_fit.grid.fraction
     assert set(valid_fractions(8)) == {c.grid.fraction for c in sweep}
+
+
+def test_the_preconditioner_takes_the_cost_model() -> None:
+    from kaisa import KFACPreconditioner
+    from kaisa.core.config import KFACConfig
+
+    net = parse_network("1x1Gb/s@1ms")
+    objective = FractionObjective(compute=PROFILE, network=net)
+    with pytest.raises(ValueError, match="needs memory_budget_mb"):
+        KFACConfig(grad_worker_fraction="auto")
+    with pytest.raises(ValueError, match="cost_model"):
+        KFACConfig(cost_model=objective)  # COMM-OPT: nothing to choose
+    with pytest.raises(ValueError, match="cost_model"):
+        KFACConfig(grad_worker_fraction="auto", cost_model="fast")
+    cfg = KFACConfig(grad_worker_fraction="auto", cost_model=objective)
+    assert cfg.settings()["cost_model"] == "FractionObjective"  # ranks agree on its kind
+    engine = _engine(8, cfg.distributed(torch.float32))
+    model, example = _model()
+    plan = IterationModel(workload=workload_from_module(model, example), compute=PROFILE,
+                          network=net)
+    fastest = min(plan.sweep(8), key=lambda c: (c.total(), -c.grid.fraction))
+    assert engine.grid.fraction == fastest.grid.fraction
+    single, _ = _model()
+    pre = KFACPreconditioner(single, grad_worker_fraction="auto", cost_model=objective)
+    assert pre.config.cost_model is objective
