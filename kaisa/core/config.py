@@ -75,6 +75,11 @@ class KFACConfig:
             ``'auto'``.
         memory_budget_mb: Per-rank budget for ``grad_worker_fraction='auto'``, else
             ``None``.
+        cost_model: The time objective of ``grad_worker_fraction='auto'`` (a
+            :class:`kaisa.distributed.FractionCost`, such as
+            :class:`kaisa.plan.FractionObjective`): ``'auto'`` then takes the fraction it
+            predicts fastest among those within ``memory_budget_mb`` (every fraction
+            without a budget); ``None``: the memory rule.
         symmetry_aware: Whether symmetric matrices are sent as upper triangles.
         grad_scaler: A gradient scaler, a callable returning the loss scale, or ``None``.
         factor_dtype: Factor dtype, ``None`` to follow the activations (at least
@@ -128,6 +133,7 @@ class KFACConfig:
     compute_eigenvalue_outer_product: bool = True
     grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT
     memory_budget_mb: float | None = None
+    cost_model: Any = None
     symmetry_aware: bool = False
     grad_scaler: Any = None
     factor_dtype: torch.dtype | None = None
@@ -173,8 +179,12 @@ class KFACConfig:
         fraction = parse_grad_worker_fraction(self.grad_worker_fraction)
         set_(self, "grad_worker_fraction", fraction)
         budget = self.memory_budget_mb
-        if fraction == "auto" and budget is None:
-            raise ValueError("grad_worker_fraction='auto' needs memory_budget_mb")
+        if fraction == "auto" and budget is None and self.cost_model is None:
+            raise ValueError("grad_worker_fraction='auto' needs memory_budget_mb (or a "
+                             "cost_model)")
+        if self.cost_model is not None and (fraction != "auto" or not callable(self.cost_model)):
+            raise ValueError("cost_model must be a callable cost model (kaisa.plan."
+                             "FractionObjective), used with grad_worker_fraction='auto'")
         if fraction != "auto" and budget is not None:
             raise ValueError("memory_budget_mb is only used with grad_worker_fraction='auto'")
         if budget is not None:
@@ -235,7 +245,7 @@ class KFACConfig:
             value = getattr(self, name)
             if name in ("loglevel", "collective_timeout", "distributed"):
                 continue
-            if name == "grad_scaler":
+            if name in ("grad_scaler", "cost_model"):
                 value = None if value is None else type(value).__qualname__
             elif name in HYPERPARAMETERS and callable(value):
                 value = value(0)

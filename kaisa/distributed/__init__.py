@@ -14,6 +14,7 @@ from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.memory import (
     LARGE_FACTOR_DIM,
     FactorSize,
+    FractionCost,
     MemoryEstimate,
     choose_fraction,
     decomposition_numel,
@@ -45,6 +46,7 @@ __all__ = [
     "DistributedEngine",
     "DistributedStrategy",
     "FactorSize",
+    "FractionCost",
     "FractionSpec",
     "LayerPlacement",
     "LocalCommunicator",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kaisa.distributed.memory import FractionCost
 from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy
 
 __all__ = ["DistributedConfig", "EngineConfig"]
@@ -38,6 +39,11 @@ class DistributedConfig:
         allreduce_bucket_cap_mb: Fusion bucket capacity of the communicator.
         collective_timeout: Seconds a K-FAC collective may wait, ``None`` for the
             process group's timeout.
+        cost_model: The time objective of ``'auto'`` (a model with a compute profile,
+            such as :class:`kaisa.plan.FractionObjective`): ``'auto'`` then takes the
+            fraction it predicts fastest among those that fit ``memory_budget_mb`` (every
+            fraction when that is ``None``). ``None``: the memory rule of
+            :func:`~kaisa.distributed.choose_fraction`.
     """
 
     grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT
@@ -47,6 +53,7 @@ class DistributedConfig:
     symmetry_aware: bool = False
     allreduce_bucket_cap_mb: float = 25.0
     collective_timeout: float | None = None
+    cost_model: FractionCost | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

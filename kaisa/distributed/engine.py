@@ -154,17 +154,24 @@ class DistributedEngine:
         """Gradient workers per layer for ``grad_worker_fraction`` at this world size."""
         cfg = self._config
         if cfg.grad_worker_fraction == "auto":
-            assert cfg.memory_budget_mb is not None
+            model = cfg.cost_model
+            assert cfg.memory_budget_mb is not None or model is not None
+            cost = None if model is None else (
+                lambda est: model(est.placement, layer_groups=self._sizes["layer_groups"],
+                                  diagonal_sides=self._sizes["diagonal_sides"]))
             estimate = choose_fraction(
                 self._layer_dims,
                 self._world,
-                float(cfg.memory_budget_mb),
+                None if cfg.memory_budget_mb is None else float(cfg.memory_budget_mb),
                 estimate=self._memory_model,
+                cost=cost,
             )
             logger.log(
                 cfg.loglevel,
-                "kaisa: grad_worker_fraction='auto' chose %s (modelled peak %.3f MB <= %s MB)",
+                "kaisa: grad_worker_fraction='auto' chose %s by %s (modelled peak %.3f MB, "
+                "budget %s MB)",
                 estimate.fraction,
+                "the time objective" if model is not None else "the memory rule",
                 estimate.max_total_mb,
                 cfg.memory_budget_mb,
             )

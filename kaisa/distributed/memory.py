@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Protocol
 
 from kaisa.blocks.state import LARGE_FACTOR_DIM
 from kaisa.distributed.placement import Placement, place_layers
@@ -33,6 +34,7 @@ from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, Side, parse_enu
 __all__ = [
     "LARGE_FACTOR_DIM",
     "FactorSize",
+    "FractionCost",
     "MemoryEstimate",
     "choose_fraction",
     "decomposition_numel",
@@ -232,27 +234,46 @@ def estimate_memory(
     return MemoryEstimate(grid.fraction, placement, tuple(per_rank))
 
 
+class FractionCost(Protocol):
+    """Predicted seconds per iteration of the phases a placement decides.
+
+    :class:`kaisa.plan.FractionObjective` is one (a cost model built from a compute
+    profile and a network); ``grad_worker_fraction='auto'`` minimises it when
+    :attr:`~kaisa.distributed.DistributedConfig.cost_model` is set.
+    """
+
+    def __call__(self, placement: Placement, *, layer_groups: Mapping[str, int],
+                 diagonal_sides: Mapping[str, Diagonal]) -> float:
+        """Seconds per iteration on ``placement``."""
+
+
 def choose_fraction(
     layer_dims: Mapping[str, tuple[int, int]] | Sequence[tuple[str, int, int]],
     world_size: int,
-    memory_budget_mb: float,
+    memory_budget_mb: float | None,
     *,
     estimate: Callable[[WorkerGrid], MemoryEstimate] | None = None,
+    cost: Callable[[MemoryEstimate], float] | None = None,
     **model: object,
 ) -> MemoryEstimate:
-    """Picks the valid fraction with the least communication that fits.
+    """Picks the fastest fraction that fits (with ``cost``), else the least communication.
 
-    Fractions are tried from 1 (COMM-OPT) downwards. A larger fraction means
-    more gradient workers per layer and fewer preconditioned-gradient
-    broadcasts every step, which is KAISA's communication-optimal direction;
-    decomposition broadcasts happen only on inverse-update steps.
+    Without ``cost`` (the memory rule), fractions are tried from 1 (COMM-OPT)
+    downwards. A larger fraction means more gradient workers per layer and fewer
+    preconditioned-gradient broadcasts every step, which is KAISA's
+    communication-optimal direction; decomposition broadcasts happen only on
+    inverse-update steps. With ``cost`` (the time objective), every fraction that fits
+    the budget (every one, without a budget) is priced and the cheapest is taken, the
+    larger fraction on a tie.
 
     Args:
         layer_dims: ``name -> (a_dim, g_dim)`` in model order.
         world_size: Number of ranks.
-        memory_budget_mb: Per-rank K-FAC memory budget in megabytes.
+        memory_budget_mb: Per-rank K-FAC memory budget in megabytes; ``None`` only with
+            ``cost``.
         estimate: The memory model of one grid; by default :func:`estimate_memory`
             with the keyword arguments ``model``.
+        cost: Predicted seconds per iteration of a fraction's estimate (its placement).
         **model: Keyword arguments of :func:`estimate_memory` (``compute_method``,
             ``itemsize``, ``layer_groups``, ...).
 
@@ -263,7 +284,9 @@ def choose_fraction(
         ValueError: If no valid fraction fits the budget; the message lists
             each fraction's modelled peak.
     """
-    if memory_budget_mb <= 0:
+    if memory_budget_mb is None and cost is None:
+        raise ValueError("choose_fraction needs memory_budget_mb, a cost, or both")
+    if memory_budget_mb is not None and memory_budget_mb <= 0:
         raise ValueError(f"memory_budget_mb must be > 0, got {memory_budget_mb}")
     dims: dict[str, tuple[int, int]]
     if isinstance(layer_dims, Mapping):
@@ -271,14 +294,20 @@ def choose_fraction(
     else:
         dims = {name: (a, g) for name, a, g in layer_dims}
     tried: list[str] = []
-    for fraction in valid_fractions(world_size):
+    fits: list[tuple[float, int, MemoryEstimate]] = []
+    for i, fraction in enumerate(valid_fractions(world_size)):
         grid = WorkerGrid(world_size, int(fraction * world_size))
         est = estimate(grid) if estimate is not None else estimate_memory(
             dims, grid, **model  # type: ignore[arg-type]
         )
-        if est.max_total_mb <= memory_budget_mb:
-            return est
+        if memory_budget_mb is None or est.max_total_mb <= memory_budget_mb:
+            if cost is None:
+                return est
+            fits.append((cost(est), i, est))
+            continue
         tried.append(f"{fraction} ({grid.strategy_name}): {est.max_total_mb:.3f} MB")
+    if fits:
+        return min(fits, key=lambda item: (item[0], item[1]))[2]
     raise ValueError(
         f"no grad_worker_fraction fits memory_budget_mb={memory_budget_mb} on world size "
         f"{world_size}; modelled per-rank K-FAC memory: " + "; ".join(tried)

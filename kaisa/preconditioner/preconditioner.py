@@ -45,11 +45,12 @@ class KFACPreconditioner:
     Distributed training (``docs/distributed.md``): when ``torch.distributed`` is
     initialised with more than one rank, the work is split with KAISA's
     ``grad_worker_fraction`` (:class:`DistributedStrategy`, a float in ``(0, 1]`` or
-    ``'auto'`` with ``memory_budget_mb``; these settings, kfac-pytorch's keywords, may be given
-    together as ``distributed=kaisa.DistributedConfig(...)``, as every product takes them,
-    but not both ways). Factors are averaged over ranks by fused
-    asynchronous allreduces started from the backward hooks; each layer's decompositions
-    are computed by the rank(s) the placement assigns and broadcast to the layer's
+    ``'auto'`` with ``memory_budget_mb`` and/or a ``cost_model``: ``docs/scaling.md``;
+    these settings, kfac-pytorch's keywords, may be given together as
+    ``distributed=kaisa.DistributedConfig(...)``, as every product takes them, but not both
+    ways). Factors are averaged over ranks by fused asynchronous allreduces started from the
+    backward hooks; each layer's decompositions are computed by the rank(s) the
+    placement assigns and broadcast to the layer's
     gradient workers, which precondition the gradient and broadcast it to the other
     ranks. Gradients must already be averaged over ranks when :meth:`step` runs
     (DistributedDataParallel, or an explicit allreduce), and every rank must run the same
@@ -74,6 +75,7 @@ class KFACPreconditioner:
         compute_eigenvalue_outer_product: bool = True,
         grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT,
         memory_budget_mb: float | None = None,
+        cost_model: Any = None,
         symmetry_aware: bool = False,
         grad_scaler: Any = None,
         factor_dtype: torch.dtype | None = None,

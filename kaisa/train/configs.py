@@ -24,27 +24,20 @@ OVERRIDABLE: frozenset[str] = frozenset(
     {"lr", "momentum", "nesterov", "weight_decay", "schedule", "warmup_epochs"}
 )
 
+#: SGD + KFACPreconditioner's tuned schedule on the digits tasks.
+_SGD_KFAC_STEPS = {"kfac_factor_update_steps": 5, "kfac_inv_update_steps": 20}
+
 #: Defaults used when a flag is not given, by (task, optimizer, kfac). Tuned on
 #: digits with ``bench/convergence/convergence.py`` (see docs/training.md); other datasets
 #: fall back to the ``None`` task entries.
 TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
     ("autoencode", "sgd", False): {"lr": 2.0},
     ("autoencode", "adamw", False): {"lr": 3e-3},
-    ("autoencode", "sgd", True): {
-        "lr": 0.3,
-        "kfac_damping": 0.03,
-        "kfac_factor_update_steps": 5,
-        "kfac_inv_update_steps": 20,
-    },
+    ("autoencode", "sgd", True): {"lr": 0.3, "kfac_damping": 0.03, **_SGD_KFAC_STEPS},
     ("autoencode", "adamw", True): {"lr": 1e-3, "kfac_damping": 0.03},  # not tuned
     ("classify", "sgd", False): {"lr": 0.1},
     ("classify", "adamw", False): {"lr": 1e-2},
-    ("classify", "sgd", True): {
-        "lr": 0.3,
-        "kfac_damping": 0.1,
-        "kfac_factor_update_steps": 5,
-        "kfac_inv_update_steps": 20,
-    },
+    ("classify", "sgd", True): {"lr": 0.3, "kfac_damping": 0.1, **_SGD_KFAC_STEPS},
     ("classify", "adamw", True): {"lr": 1e-3, "kfac_damping": 0.1},  # not tuned
     # kaisa.KFAC: lr and momentum are adaptive; these are its curvature settings.
     ("autoencode", "kfac", False): {  # 3 seeds, 60 epochs (docs/training.md)

@@ -1,0 +1,7 @@
+"""``python -m kaisa.plan``."""
+
+import sys
+
+from kaisa.plan.cli import main
+
+sys.exit(main())
