@@ -149,7 +149,8 @@ class TiedEmbeddingBlock(EmbeddingBlock):
             a_e = self.compute_a_batch(select_indices(x, rows))
             self.uses.add(site, Side.A, self._vocabulary(a_e), m)
         else:
-            g_h = factors.linear_a_factor(flat_rows(x, rows), bias=False, dtype=self.dtype_for(x))
+            g_h = factors.linear_a_factor(flat_rows(x, rows), bias=False, dtype=self.dtype_for(x),
+                                          gemm=rows is not None)
             self.uses.add(site, Side.G, g_h, m)
 
     def record_output_grad(
@@ -163,17 +164,17 @@ class TiedEmbeddingBlock(EmbeddingBlock):
         if not in_hook:
             self.uses.saved_grads.append((d, divisor, site))
             return
-        if self.factor_rows is not None:
-            d = flat_rows(d, self.pop_draw(site))
+        rows = self.pop_draw(site) if self.factor_rows is not None else None
+        d, gemm = flat_rows(d, rows), rows is not None
         if site == EMBEDDING_SITE:
-            self.uses.add(site, Side.G, self.compute_g_batch(d, divisor))
+            self.uses.add(site, Side.G, self.compute_g_batch(d, divisor, gemm=gemm))
         elif self.is_diagonal(Side.A):
             rows = d.reshape(-1, d.shape[-1]).to(self.dtype_for(d))
             rows = rows / (divisor.to(rows.dtype) if isinstance(divisor, torch.Tensor)
                            else divisor)
             self.uses.add(site, Side.A, rows.square().mean(0, keepdim=True))
         else:
-            self.uses.add(site, Side.A, self.compute_g_batch(d, divisor))
+            self.uses.add(site, Side.A, self.compute_g_batch(d, divisor, gemm=gemm))
 
     def combine(
         self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None
