@@ -112,21 +112,6 @@ def compiled_conv_kernel() -> Iterator[None]:
         kaisa.ops._shifted_path = saved
 
 
-@contextmanager
-def tiled_subset_factors() -> Iterator[None]:
-    """Row-subset factors through the covariance kernel's tiles, not one dense product.
-
-    Patches :func:`kaisa.ops.covariance_gemm` for the duration (a benchmark-only switch:
-    the same-run "before" of that change).
-    """
-    saved = kaisa.ops.covariance_gemm
-    kaisa.ops.covariance_gemm = kaisa.ops.covariance
-    try:
-        yield
-    finally:
-        kaisa.ops.covariance_gemm = saved
-
-
 def resnet_runners(smoke: bool, conv_variants: bool = False) -> list[Runner]:
     """SGD and two KFACPreconditioner schedules on ResNet-32.
 
@@ -239,8 +224,7 @@ def gpt_runners(smoke: bool) -> list[Runner]:
     for suffix, extra in (("", {}), (" reduce", {"kfac_approx": "reduce"}),
                           (" rows256", {"factor_rows": 256}),
                           (" rows256 linear only", {"factor_rows": 256}),
-                          (" rows256 qr", {"factor_rows": 256, "basis_refresh": "qr"}),
-                          (" rows256 tiled", {"factor_rows": 256})):
+                          (" rows256 qr", {"factor_rows": 256, "basis_refresh": "qr"})):
         model = build()
         ekfac = kaisa.EKFAC(model, lr=3e-3, factor_update_steps=1, basis_update_steps=10,
                             **extra)
@@ -248,11 +232,9 @@ def gpt_runners(smoke: bool) -> list[Runner]:
             for block in ekfac.curvature.blocks.values():
                 if block.kind != "linear":
                     block.factor_rows = None  # type: ignore[attr-defined]
-        step = first_order_step(model, lm_loss, batches, ekfac, kfac=True)
-        if suffix.endswith("tiled"):  # the subsets' factors through the kernel's tiles
-            step = (lambda inner: lambda i: _in(tiled_subset_factors, inner, i))(step)
-        runners.append(Runner("ekfac" + suffix, "adamw", step, *schedule(F=1, I=10),
-                              state_of(ekfac)))
+        runners.append(Runner("ekfac" + suffix, "adamw",
+                              first_order_step(model, lm_loss, batches, ekfac, kfac=True),
+                              *schedule(F=1, I=10), state_of(ekfac)))
     return runners
 
 

@@ -166,10 +166,9 @@ def test_a_and_g_use_the_same_drawn_rows(twice: bool) -> None:
     assert torch.equal(opt.row_generator.get_state(), gen.get_state())
     for name, uses in calls.items():
         block = opt.curvature.blocks[name]
-        # a subset's factors are one dense product (kaisa.ops.covariance_gemm)
-        a = sum(factors.linear_a_factor(x, bias=block.has_bias, dtype=torch.float64, gemm=True)
+        a = sum(factors.linear_a_factor(x, bias=block.has_bias, dtype=torch.float64)
                 for x, _ in uses)
-        g = sum(factors.linear_g_factor(d, dtype=torch.float64, gemm=True) for _, d in uses)
+        g = sum(factors.linear_g_factor(d, dtype=torch.float64) for _, d in uses)
         assert isinstance(a, torch.Tensor) and isinstance(g, torch.Tensor)
         # zero_start with decay 1/2: the running factor is half the step's batch factor.
         assert torch.equal(block.a, a / len(uses) * 0.5), name

@@ -130,8 +130,8 @@ def test_an_attention_call_uses_its_drawn_rows_for_both_factors(approx: KFACAppr
     a_sum = g_sum = 0
     for x, d in calls:
         rows = torch.randperm(block.row_count(x), generator=gen)[:2]
-        a_sum += block.compute_a_batch(block.select_rows(x, rows), gemm=True)
-        g_sum += block.compute_g_batch(block.select_rows(d, rows), 1.0, gemm=True)
+        a_sum += block.compute_a_batch(block.select_rows(x, rows))
+        g_sum += block.compute_g_batch(block.select_rows(d, rows), 1.0)
     a, g = block.stats.take()
     assert torch.equal(a, a_sum / 2) and torch.equal(g, g_sum / 2)  # type: ignore[arg-type]
     assert torch.equal(block.row_generator.get_state(), gen.get_state())  # type: ignore[union-attr]
@@ -160,15 +160,15 @@ def test_a_tied_blocks_uses_draw_their_own_rows(dense: bool) -> None:
     a_e = block.compute_a_batch(idx.reshape(-1)[s_e])
     a_h_rows = d_h.reshape(-1, V)[s_h]
     a_h = (a_h_rows.square().mean(0, keepdim=True) if not dense
-           else factors.linear_g_factor(a_h_rows, dtype=torch.float64, gemm=True))
+           else factors.linear_g_factor(a_h_rows, dtype=torch.float64))
     if dense:
         a_e = torch.diag_embed(a_e)
     # each use's stacked factor is its (1, ...) batch factor's only group
     assert torch.equal(a[0], a_e[0]) and torch.equal(a[1], a_h[0])
     assert torch.equal(g[0], factors.linear_g_factor(d_e.reshape(-1, E)[s_e],
-                                                     dtype=torch.float64, gemm=True)[0])
+                                                     dtype=torch.float64)[0])
     assert torch.equal(g[1], factors.linear_a_factor(h.reshape(-1, E)[s_h], bias=False,
-                                                     dtype=torch.float64, gemm=True)[0])
+                                                     dtype=torch.float64)[0])
     assert block.uses.weights == [0.5, 0.5]  # the full row counts, 15 each
 
 
@@ -215,17 +215,3 @@ def test_subsampling_changes_every_kinds_factors() -> None:
     _train(model, opt, 0)
     for name in ("emb", "attn.in_proj", "attn.out_proj", "fc"):
         assert not torch.equal(opt.curvature.blocks[name].g, base_opt.curvature.blocks[name].g)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_subsets_dense_product_is_the_covariance(dtype: torch.dtype, bias: bool) -> None:
-    x = torch.randn(256, 33, generator=torch.Generator().manual_seed(8), dtype=dtype)
-    gemm = kaisa.ops.covariance_gemm(x, 1 / 256, bias=bias)
-    assert gemm.dtype == dtype and torch.equal(gemm, gemm.mT)  # exactly symmetric
-    xb = torch.cat([x, torch.ones(256, 1, dtype=dtype)], 1) if bias else x
-    explicit = (xb.double().mT @ xb.double()) / 256
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(gemm.double(), explicit, rtol=tol, atol=tol)
-    torch.testing.assert_close(gemm, kaisa.ops.covariance(x, 1 / 256, bias=bias),
-                               rtol=tol, atol=tol)

@@ -90,11 +90,11 @@ class EmbeddingBlock(RowSampling, CurvatureBlock):
         return (counts.to(dtype) / max(x.numel(), 1)).unsqueeze(0)
 
     def compute_g_batch(
-        self, grad_output: torch.Tensor, loss_scale: float | torch.Tensor, *, gemm: bool = False
+        self, grad_output: torch.Tensor, loss_scale: float | torch.Tensor
     ) -> torch.Tensor:
-        """``D^T D / M`` of the output gradient's ``(M, E)`` rows; ``gemm``: a subset's."""
+        """``D^T D / M`` of the output gradient's ``(M, E)`` rows."""
         return factors.linear_g_factor(
-            grad_output, dtype=self.dtype_for(grad_output), loss_scale=loss_scale, gemm=gemm
+            grad_output, dtype=self.dtype_for(grad_output), loss_scale=loss_scale
         )
 
     # ------------------------------------------------------------------ row subsets
@@ -114,8 +114,7 @@ class EmbeddingBlock(RowSampling, CurvatureBlock):
         if self.factor_rows is None or not in_hook:
             super().record_output_grad(d, divisor, in_hook=in_hook, inputs=inputs, site=site)
             return
-        rows = self.pop_draw(site)
-        self.stats.add_g(self.compute_g_batch(flat_rows(d, rows), divisor, gemm=rows is not None))
+        self.stats.add_g(self.compute_g_batch(flat_rows(d, self.pop_draw(site)), divisor))
 
     # ------------------------------------------------------------------ gradients
     def gradient_matrix(

@@ -94,29 +94,23 @@ def _pair(value: object) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
-def linear_a_factor(
-    x: torch.Tensor, *, bias: bool, dtype: torch.dtype, gemm: bool = False
-) -> torch.Tensor:
+def linear_a_factor(x: torch.Tensor, *, bias: bool, dtype: torch.dtype) -> torch.Tensor:
     """``A_batch = Xb^T Xb / M`` of a Linear layer.
 
     Args:
         x: the layer input, any number of leading dimensions (may be non-contiguous).
         bias: whether the layer has a bias (appends a ones column).
         dtype: the factor dtype.
-        gemm: one dense product (:func:`kaisa.ops.covariance_gemm`: a row subset's)
-            instead of :func:`kaisa.ops.covariance`.
 
     Returns:
         ``(1, in+bias, in+bias)``.
     """
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-    covariance = ops.covariance_gemm if gemm else ops.covariance
-    return covariance(x2, 1.0 / max(x2.shape[0], 1), bias=bias).unsqueeze(0)
+    return ops.covariance(x2, 1.0 / max(x2.shape[0], 1), bias=bias).unsqueeze(0)
 
 
 def linear_g_factor(
-    grad_output: torch.Tensor, *, dtype: torch.dtype, loss_scale: float | torch.Tensor = 1.0,
-    gemm: bool = False,
+    grad_output: torch.Tensor, *, dtype: torch.dtype, loss_scale: float | torch.Tensor = 1.0
 ) -> torch.Tensor:
     """``G_batch = D^T D / M`` of a Linear layer, with ``D`` divided by the loss scale.
 
@@ -127,14 +121,12 @@ def linear_g_factor(
         grad_output: gradient w.r.t. the layer output, any leading dimensions.
         dtype: the factor dtype.
         loss_scale: the grad scaler's scale (number or 0-d tensor).
-        gemm: one dense product (a row subset's), as for :func:`linear_a_factor`.
 
     Returns:
         ``(1, out, out)``.
     """
     d = _unscale(grad_output.reshape(-1, grad_output.shape[-1]).to(dtype), loss_scale)
-    covariance = ops.covariance_gemm if gemm else ops.covariance
-    return covariance(d, 1.0 / max(d.shape[0], 1)).unsqueeze(0)
+    return ops.covariance(d, 1.0 / max(d.shape[0], 1)).unsqueeze(0)
 
 
 def conv_a_factor(

@@ -46,22 +46,21 @@ class LinearBlock(RowSampling, CurvatureBlock):
             block.sample_rows(options)
         return made
 
-    def compute_a_batch(self, x: torch.Tensor, *, gemm: bool = False) -> torch.Tensor:
-        """``Xb^T Xb / M`` (rows: positions, or examples' mean inputs); ``gemm``: a subset's."""
+    def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """``Xb^T Xb / M`` (rows: positions, or examples' mean inputs)."""
         dtype = self.dtype_for(x)
         if self._reduces(x):
             x = x.to(dtype).mean(dim=self._shared_dims(x))
-        return factors.linear_a_factor(x, bias=self.has_bias, dtype=dtype, gemm=gemm)
+        return factors.linear_a_factor(x, bias=self.has_bias, dtype=dtype)
 
     def compute_g_batch(
-        self, grad_output: torch.Tensor, loss_scale: float | torch.Tensor, *, gemm: bool = False
+        self, grad_output: torch.Tensor, loss_scale: float | torch.Tensor
     ) -> torch.Tensor:
         """``D^T D / M`` (rows: positions, or examples' summed output gradients)."""
         dtype = self.dtype_for(grad_output)
         if self._reduces(grad_output):
             grad_output = grad_output.to(dtype).sum(dim=self._shared_dims(grad_output))
-        return factors.linear_g_factor(grad_output, dtype=dtype, loss_scale=loss_scale,
-                                       gemm=gemm)
+        return factors.linear_g_factor(grad_output, dtype=dtype, loss_scale=loss_scale)
 
     # ------------------------------------------------------------------ row subsets
     def record_input(self, x: torch.Tensor, *, in_hook: bool, site: int = 0) -> None:
@@ -74,7 +73,7 @@ class LinearBlock(RowSampling, CurvatureBlock):
             super().record_input(x, in_hook=in_hook, site=site)
             return
         rows = self.push_draw(site, self.row_count(x))
-        self.stats.add_a(self.compute_a_batch(self.select_rows(x, rows), gemm=rows is not None))
+        self.stats.add_a(self.compute_a_batch(self.select_rows(x, rows)))
 
     def record_output_grad(
         self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool,
@@ -85,8 +84,7 @@ class LinearBlock(RowSampling, CurvatureBlock):
             super().record_output_grad(d, divisor, in_hook=in_hook, inputs=inputs, site=site)
             return
         rows = self.pop_draw(site)  # unpaired (cleared mid-step): every row
-        self.stats.add_g(self.compute_g_batch(self.select_rows(d, rows), divisor,
-                                              gemm=rows is not None))
+        self.stats.add_g(self.compute_g_batch(self.select_rows(d, rows), divisor))
 
     def row_count(self, t: torch.Tensor) -> int:
         """``M``: the rows of ``t`` (an input or an output gradient) under ``kfac_approx``."""

@@ -149,8 +149,7 @@ class TiedEmbeddingBlock(EmbeddingBlock):
             a_e = self.compute_a_batch(select_indices(x, rows))
             self.uses.add(site, Side.A, self._vocabulary(a_e), m)
         else:
-            g_h = factors.linear_a_factor(flat_rows(x, rows), bias=False, dtype=self.dtype_for(x),
-                                          gemm=rows is not None)
+            g_h = factors.linear_a_factor(flat_rows(x, rows), bias=False, dtype=self.dtype_for(x))
             self.uses.add(site, Side.G, g_h, m)
 
     def record_output_grad(
@@ -164,17 +163,17 @@ class TiedEmbeddingBlock(EmbeddingBlock):
         if not in_hook:
             self.uses.saved_grads.append((d, divisor, site))
             return
-        rows = self.pop_draw(site) if self.factor_rows is not None else None
-        d, gemm = flat_rows(d, rows), rows is not None
+        if self.factor_rows is not None:
+            d = flat_rows(d, self.pop_draw(site))
         if site == EMBEDDING_SITE:
-            self.uses.add(site, Side.G, self.compute_g_batch(d, divisor, gemm=gemm))
+            self.uses.add(site, Side.G, self.compute_g_batch(d, divisor))
         elif self.is_diagonal(Side.A):
             rows = d.reshape(-1, d.shape[-1]).to(self.dtype_for(d))
             rows = rows / (divisor.to(rows.dtype) if isinstance(divisor, torch.Tensor)
                            else divisor)
             self.uses.add(site, Side.A, rows.square().mean(0, keepdim=True))
         else:
-            self.uses.add(site, Side.A, self.compute_g_batch(d, divisor, gemm=gemm))
+            self.uses.add(site, Side.A, self.compute_g_batch(d, divisor))
 
     def combine(
         self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None

@@ -57,7 +57,6 @@ __all__ = [
     "backend",
     "conv_covariance",
     "covariance",
-    "covariance_gemm",
     "cuda_kernels_error",
     "eigen_precondition",
     "eigh",
@@ -117,29 +116,6 @@ def covariance(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Te
     else:
         out = _reference.covariance(xt, s, bias=bool(bias))
     return rescaled(out, f, bias=bool(bias))
-
-
-def covariance_gemm(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Tensor:
-    """:func:`covariance` by one dense product (the reference computation), on any backend.
-
-    ``scale * Xb^T Xb`` as one GEMM in the working dtype (float32, or float64 for double
-    inputs), the upper triangle mirrored (exactly symmetric), with :func:`covariance`'s
-    checks and overflow rescaling. The extension's upper-triangle tiles pay for many rows;
-    for a few hundred (row-subsampled factors, ``docs/conventions.md``) one GEMM is
-    faster. Equal to :func:`covariance` up to float rounding.
-
-    Args:
-        x: (rows, d) floating point tensor.
-        scale: multiplier applied to the Gram matrix.
-        bias: whether to append a column of ones to ``x``.
-
-    Returns:
-        (d + bias, d + bias) tensor with the dtype and device of ``x``.
-    """
-    xt = _check_float_tensor(x, "x", (2,))
-    s = _check_scalar(scale, "scale")
-    xt, f = prescaled(xt, xt.shape[0], s)
-    return rescaled(_reference.covariance(xt, s, bias=bool(bias)), f, bias=bool(bias))
 
 
 @_fake("covariance")
