@@ -215,3 +215,22 @@ def test_subsampling_changes_every_kinds_factors() -> None:
     _train(model, opt, 0)
     for name in ("emb", "attn.in_proj", "attn.out_proj", "fc"):
         assert not torch.equal(opt.curvature.blocks[name].g, base_opt.curvature.blocks[name].g)
+
+
+def test_cross_attention_blocks_pair_every_draw() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(E, 2, dim_feedforward=8, dropout=0.0, batch_first=True)
+    opt = kaisa.EKFAC(layer, lr=1e-2, factor_rows=4)
+    names = set(opt.curvature.blocks)
+    assert {"multihead_attn.q_proj", "multihead_attn.k_proj", "multihead_attn.v_proj",
+            "self_attn.in_proj"} <= names
+    gen = torch.Generator().manual_seed(7)
+    tgt, memory = torch.randn(2, 3, E, generator=gen), torch.randn(2, 5, E, generator=gen)
+    layer(tgt, memory).square().mean().backward()  # type: ignore[no-untyped-call]
+    for name, block in opt.curvature.blocks.items():  # every forward draw met its gradient
+        assert block.factor_rows == 4, name  # type: ignore[attr-defined]
+        assert all(not draws for draws in block.stats.row_draws.values()), name
+        assert block.stats.row_draws, name  # it drew
+    opt.step()
+    for name, block in opt.curvature.blocks.items():
+        assert block.a is not None and block.g is not None, name
