@@ -177,13 +177,14 @@ class Run:
             lr, options = float(lr_text), kind.split("-")[1:]
             every = next((int(o[1:]) for o in options if re.fullmatch(r"f\d+", o)), 1)
             beta2 = next((int(o[1:]) / 100 for o in options if re.fullmatch(r"b\d\d", o)), 0.999)
+            rows = next((int(o[1:]) for o in options if re.fullmatch(r"r\d+", o)), None)
             # factors every `every` steps, the running average's horizon kept in steps
             self.ekfac = kaisa.EKFAC(
                 model, lr=lr, betas=(0.9, beta2),
                 param_groups=decay_groups(params, lr, recipe.decayed),
                 factor_update_steps=every, factor_decay=0.95**every, basis_update_steps=10,
                 basis_refresh="qr" if "qr" in options else "eigh",
-                kfac_approx="reduce" if "reduce" in options else "expand",
+                kfac_approx="reduce" if "reduce" in options else "expand", factor_rows=rows,
             )
             self.optimizers = [self.ekfac]
         elif name in ("kfac", "kfac@damping=0.1", "kfac-reduce"):

@@ -22,7 +22,8 @@ Configurations (``--only`` picks some; the default runs the first nine):
   factors every K steps with ``factor_decay`` 0.95**K (the running average's horizon kept
   in steps), ``bNN`` beta2 0.NN, ``qr`` bases refreshed by a warm-started QR step
   (``eigh`` every 10th refresh), ``reduce`` KFAC-reduce factor statistics (one row per
-  sequence instead of one per token; ``docs/conventions.md``). The default run has
+  sequence instead of one per token; ``docs/conventions.md``), ``rK`` factor statistics
+  from ``K`` random rows of each call (``factor_rows``). The default run has
   ``ekfac@3e-3`` (AdamW's recipe unchanged), ``ekfac-b95@1e-2``, ``ekfac-f5-b95@1e-2`` and
   ``ekfac-f5-b95@3e-3``.
 * ``adamw+kfac``: ``kaisa.KFACPreconditioner`` (damping 0.03, factors every step,

@@ -16,7 +16,10 @@ Tasks and configurations (each keeps its own model, built from the same seed):
   reduce``: with ``kfac_approx="reduce"``) and
   ``kaisa.EKFAC`` (lr 3e-3, factors every step, eigenbases every 10, as in
   ``bench/convergence/gpt.py``; ``ekfac reduce``: with ``kfac_approx="reduce"``; ``ekfac rows256``:
-  with ``factor_rows=256``, 256 of the 2048 rows of each Linear call). No clipping, no lr
+  with ``factor_rows=256``, 256 of the 2048 rows of each Linear, attention and embedding
+  call; ``ekfac rows256 linear only``: the same with the attention and tied-embedding blocks
+  keeping every row, as ``factor_rows`` was first; ``ekfac rows256 qr``: with
+  ``basis_refresh="qr"``). No clipping, no lr
   schedule. The configurations are built in ``bench/step_cost/step_cost_tasks.py``.
 
 Protocol: one thread; ``--warmup`` steps, then ``--rounds`` rounds of ``--round-steps``

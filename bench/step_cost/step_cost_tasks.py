@@ -220,12 +220,19 @@ def gpt_runners(smoke: bool) -> list[Runner]:
         runners.append(Runner("kfac adaptive" + suffix, "adam", step,
                               *schedule(F=1, I=1, D=kfac.config.damping_interval),
                               state_of(kfac)))
-    # reduce: KFAC-reduce statistics; rows256: factor statistics of 256 rows a call (opt-in)
+    # reduce: KFAC-reduce statistics; rows256: factor statistics of 256 rows a call (opt-in;
+    # "linear only": the attention and tied-embedding blocks keep every row, as before)
     for suffix, extra in (("", {}), (" reduce", {"kfac_approx": "reduce"}),
-                          (" rows256", {"factor_rows": 256})):
+                          (" rows256", {"factor_rows": 256}),
+                          (" rows256 linear only", {"factor_rows": 256}),
+                          (" rows256 qr", {"factor_rows": 256, "basis_refresh": "qr"})):
         model = build()
         ekfac = kaisa.EKFAC(model, lr=3e-3, factor_update_steps=1, basis_update_steps=10,
                             **extra)
+        if suffix.endswith("linear only"):
+            for block in ekfac.curvature.blocks.values():
+                if block.kind != "linear":
+                    block.factor_rows = None  # type: ignore[attr-defined]
         runners.append(Runner("ekfac" + suffix, "adamw",
                               first_order_step(model, lm_loss, batches, ekfac, kfac=True),
                               *schedule(F=1, I=10), state_of(ekfac)))

@@ -84,8 +84,8 @@ def register_blocks(
             layout (``None``: every ``nn.TransformerDecoderLayer.multihead_attn``).
         cross_modules: The ``id`` of further MHAs in the cross-attention layout (those
             whose first call had a query, key and value that are not one tensor).
-        factor_rows: Rows each call of a plain Linear block keeps for its statistics (a
-            random subset; ``None``: every row).
+        factor_rows: Rows each call of a Linear, attention or embedding block (tied or
+            not) keeps for its statistics (a random subset; ``None``: every row).
         row_generator: The CPU generator of the row subsets (needed with ``factor_rows``).
 
     Returns:
@@ -115,7 +115,9 @@ def register_blocks(
         pair = pairs.get(id(getattr(module, "weight", None)))
         if pair is not None and pair[0] is module:
             if tied_on:
-                blocks.update(_tied(name, pair, names[id(pair[1])], skip, factor_dtype))
+                options = BlockOptions(factor_dtype, kfac_approx, factor_rows=factor_rows,
+                                       row_generator=row_generator)
+                blocks.update(_tied(name, pair, names[id(pair[1])], skip, options))
             continue
         kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
         if kind is None or (kinds is not None and kind.kind not in kinds) or id(module) in claimed:
@@ -153,7 +155,7 @@ def register_blocks(
 
 def _tied(
     name: str, pair: tuple[nn.Embedding, nn.Linear], head_name: str,
-    skip: Sequence[re.Pattern[str]], factor_dtype: torch.dtype | None,
+    skip: Sequence[re.Pattern[str]], options: BlockOptions,
 ) -> dict[str, CurvatureBlock]:
     """The tied block of an embedding and its head (none when skipped or unsupported)."""
     embedding, head = pair
@@ -168,7 +170,7 @@ def _tied(
                       RuntimeWarning, stacklevel=4)
         return {}
     return {name: TiedEmbeddingBlock(name=name, module=embedding, head=head,
-                                     factor_dtype=factor_dtype)}
+                                     factor_dtype=options.factor_dtype, options=options)}
 
 
 def _kept(

@@ -94,6 +94,9 @@ class AttentionBlock(LinearBlock):
         """The ``F.linear`` calls of the MHA's forward that multiply by the block's rows."""
         return (self._site,)
 
+    #: Observations are sequence-first: the examples are dimension 1.
+    _example_dim = 1
+
     def _shared_dims(self, t: torch.Tensor) -> tuple[int, ...]:
         """The positions: observations are ``(positions, N, features)``."""
         return (0,)
@@ -110,11 +113,13 @@ class AttentionBlock(LinearBlock):
 
         def add(suffix: str, weight: torch.Tensor, b: torch.Tensor | None,
                 rows: tuple[slice | None, ...] | None = None, mismatch: str = "") -> None:
-            blocks[f"{name}.{suffix}"] = cls(
+            block = cls(
                 name=f"{name}.{suffix}", module=module, weight=weight, bias=b, rows=rows,
                 mismatch=mismatch, factor_dtype=options.factor_dtype,
                 kfac_approx=options.kfac_approx,
             )
+            block.sample_rows(options)
+            blocks[block.name] = block
 
         packed = module.in_proj_weight
         thirds = [slice(i * e, (i + 1) * e) for i in range(3)]

@@ -18,17 +18,21 @@ from torch import nn
 
 from kaisa.blocks import factors
 from kaisa.blocks.base import CurvatureBlock
+from kaisa.blocks.rows import RowSampling, sampling
+from kaisa.blocks.state import BlockOptions
 from kaisa.utils.dtypes import working_dtype
 from kaisa.utils.enums import Side
 
-__all__ = ["EmbeddingBlock"]
+__all__ = ["EmbeddingBlock", "select_indices"]
 
 
-class EmbeddingBlock(CurvatureBlock):
+class EmbeddingBlock(RowSampling):
     """An ``nn.Embedding``: ``A = diag(c) / M`` (as its diagonal), ``G = D^T D / M``.
 
     Every looked-up position is a row (``kfac_approx`` does not apply: a per-example
-    reduction of one-hot rows would make ``A`` dense).
+    reduction of one-hot rows would make ``A`` dense). With :attr:`factor_rows` ``= k``
+    a call with more than ``k`` indices uses ``k`` of them drawn at random for both
+    factors (``docs/conventions.md``, "Row-subsampled factor statistics").
     """
 
     module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Embedding
@@ -50,6 +54,13 @@ class EmbeddingBlock(CurvatureBlock):
             return "sparse=True gives sparse gradients; a dense direction would replace them " \
                    "(first-order)"
         return None
+
+    @classmethod
+    def build(
+        cls, name: str, module: nn.Module, options: BlockOptions
+    ) -> dict[str, CurvatureBlock]:
+        """One block named ``name``, subsampling with ``options.factor_rows``."""
+        return sampling(super().build(name, module, options), options)
 
     @property
     def dims(self) -> tuple[int, int]:
@@ -82,6 +93,15 @@ class EmbeddingBlock(CurvatureBlock):
             grad_output, dtype=self.dtype_for(grad_output), loss_scale=loss_scale
         )
 
+    # ------------------------------------------------------------------ row subsets
+    def record_input(self, x: torch.Tensor, *, in_hook: bool, site: int = 0) -> None:
+        """The batch A factor of the indices ``x``, of a drawn subset with :attr:`factor_rows`."""
+        if self.factor_rows is None or not in_hook:
+            super().record_input(x, in_hook=in_hook, site=site)
+            return
+        rows = self.push_draw(site, x.numel())
+        self.stats.add_a(self.compute_a_batch(select_indices(x, rows)))
+
     # ------------------------------------------------------------------ gradients
     def gradient_matrix(
         self, grads: Sequence[torch.Tensor | None] | None = None
@@ -99,3 +119,8 @@ class EmbeddingBlock(CurvatureBlock):
     def split(self, matrix: torch.Tensor) -> list[torch.Tensor]:
         """``[matrix^T]`` in the weight's layout (a view)."""
         return [matrix.reshape(self.weight.shape[1], -1).t()]
+
+
+def select_indices(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The indices ``rows`` of ``x`` flattened (``x`` itself for ``None``)."""
+    return x if rows is None else x.reshape(-1).index_select(0, rows.to(x.device))

@@ -10,13 +10,14 @@ from torch import nn
 
 from kaisa.blocks import factors
 from kaisa.blocks.base import CurvatureBlock
+from kaisa.blocks.rows import RowSampling, flat_rows, sampling
 from kaisa.blocks.state import BlockOptions
 from kaisa.utils.enums import KFACApprox
 
 __all__ = ["LinearBlock"]
 
 
-class LinearBlock(CurvatureBlock):
+class LinearBlock(RowSampling):
     """An ``nn.Linear``: ``A = Xb^T Xb / M``, ``G = D^T D / M``.
 
     The first input dimension is the batch (``N``), every other leading dimension is
@@ -26,32 +27,20 @@ class LinearBlock(CurvatureBlock):
     there is no shared dimension).
 
     With :attr:`factor_rows` ``= k`` (set by :meth:`build` from
-    :attr:`BlockOptions.factor_rows`), a call with more than ``k`` rows uses ``k`` of them
-    drawn at random, the same for its ``A`` and its ``G`` (``docs/conventions.md``,
-    "Row-subsampled factor statistics").
+    :attr:`BlockOptions.factor_rows`; attention blocks too), a call with more than ``k``
+    rows uses ``k`` of them drawn at random, the same for its ``A`` and its ``G``
+    (``docs/conventions.md``, "Row-subsampled factor statistics").
     """
 
     module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Linear
     kind = "linear"
-    #: Rows kept per call (``None``: every row); only the plain Linear kind sets it.
-    factor_rows: int | None = None
-    #: The CPU generator the row subsets are drawn from (with :attr:`factor_rows`).
-    row_generator: torch.Generator | None = None
 
     @classmethod
     def build(
         cls, name: str, module: nn.Module, options: BlockOptions
     ) -> dict[str, CurvatureBlock]:
-        """One block named ``name``; a plain Linear block subsamples with ``factor_rows``."""
-        made = super().build(name, module, options)
-        if cls is LinearBlock and options.factor_rows is not None:
-            if options.row_generator is None:
-                raise ValueError("factor_rows needs a row_generator to draw the rows from")
-            for block in made.values():
-                assert isinstance(block, LinearBlock)
-                block.factor_rows = options.factor_rows
-                block.row_generator = options.row_generator
-        return made
+        """One block named ``name``, subsampling with ``options.factor_rows``."""
+        return sampling(super().build(name, module, options), options)
 
     def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
         """``Xb^T Xb / M`` (rows: positions, or examples' mean inputs)."""
@@ -79,49 +68,31 @@ class LinearBlock(CurvatureBlock):
         if self.factor_rows is None or not in_hook:
             super().record_input(x, in_hook=in_hook, site=site)
             return
-        rows = self.draw_rows(self.row_count(x))
-        self.stats.row_draws.setdefault(site, []).append(rows)
+        rows = self.push_draw(site, self.row_count(x))
         self.stats.add_a(self.compute_a_batch(self.select_rows(x, rows)))
 
-    def record_output_grad(
-        self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool,
-        inputs: torch.Tensor | None, site: int = 0,
-    ) -> None:
-        """The batch G factor of ``d``, of the rows its forward call drew (last drawn first)."""
-        if self.factor_rows is None or not in_hook:
-            super().record_output_grad(d, divisor, in_hook=in_hook, inputs=inputs, site=site)
-            return
-        draws = self.stats.row_draws.get(site)
-        rows = draws.pop() if draws else None  # unpaired (cleared mid-step): every row
-        self.stats.add_g(self.compute_g_batch(self.select_rows(d, rows), divisor))
+    def gradient_rows(self, d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The rows ``rows`` of output gradient ``d`` under ``kfac_approx``."""
+        return self.select_rows(d, rows)
 
     def row_count(self, t: torch.Tensor) -> int:
         """``M``: the rows of ``t`` (an input or an output gradient) under ``kfac_approx``."""
         if self._reduces(t):
-            return int(t.shape[0])
+            return int(t.shape[self._example_dim])
         return math.prod(t.shape[:-1])
-
-    def draw_rows(self, m: int) -> torch.Tensor | None:
-        """``S``: the first ``factor_rows`` of a random permutation of ``m`` rows (CPU).
-
-        ``None`` (every row; the generator is not advanced) when ``m <= factor_rows``.
-        """
-        k = self.factor_rows
-        if k is None or m <= k:
-            return None
-        return torch.randperm(m, generator=self.row_generator)[:k]
 
     def select_rows(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """The rows ``rows`` of ``t`` (``t`` itself for ``None``), on ``t``'s device.
 
-        Examples (the first dimension) under ``'reduce'``, else positions: ``(k, features)``.
+        Examples (the first dimension; an attention block's second) under ``'reduce'``,
+        else positions: ``(k, features)``.
         """
-        if rows is None:
-            return t
-        index = rows.to(t.device)
-        if self._reduces(t):
-            return t.index_select(0, index)
-        return t.reshape(-1, t.shape[-1]).index_select(0, index)
+        if rows is not None and self._reduces(t):
+            return t.index_select(self._example_dim, rows.to(t.device))
+        return flat_rows(t, rows)
+
+    #: The examples' dimension of an observation (``'reduce'`` keeps one row per example).
+    _example_dim = 0
 
     def _reduces(self, t: torch.Tensor) -> bool:
         return self.kfac_approx is KFACApprox.REDUCE and t.dim() > 2

@@ -89,8 +89,8 @@ class BlockOptions:
         factor_dtype: Factor dtype, ``None`` to follow the activations (>= fp32).
         kfac_approx: Expand or reduce over shared dimensions.
         cross_attention: Whether this module is cross-attention (attention kinds).
-        factor_rows: Rows each call of a plain Linear block's statistics keeps (a random
-            subset, ``docs/conventions.md``), ``None`` for every row.
+        factor_rows: Rows each call of a Linear, attention or embedding block's statistics
+            keeps (a random subset, ``docs/conventions.md``), ``None`` for every row.
         row_generator: The CPU generator the row subsets are drawn from (with
             ``factor_rows``).
     """

@@ -30,9 +30,10 @@ from torch import nn
 
 from kaisa.blocks import factors
 from kaisa.blocks.callsites import CallSite
-from kaisa.blocks.embedding import EmbeddingBlock
+from kaisa.blocks.embedding import EmbeddingBlock, select_indices
 from kaisa.blocks.kronecker import balanced_kronecker
-from kaisa.blocks.state import LARGE_FACTOR_DIM, BatchStatistics, tensor_bytes
+from kaisa.blocks.rows import flat_rows
+from kaisa.blocks.state import LARGE_FACTOR_DIM, BatchStatistics, BlockOptions, tensor_bytes
 from kaisa.utils.enums import KFACApprox, Side
 
 __all__ = ["TiedEmbeddingBlock", "UseStatistics", "tied_heads"]
@@ -90,6 +91,7 @@ class UseStatistics(BatchStatistics):
         """Forgets everything recorded."""
         self.saved_inputs.clear()
         self.saved_grads.clear()
+        self.row_draws.clear()
         self.sums, self.counts, self.rows = {}, {}, {}
 
 
@@ -106,12 +108,15 @@ class TiedEmbeddingBlock(EmbeddingBlock):
         head: nn.Linear,
         factor_dtype: torch.dtype | None,
         kfac_approx: KFACApprox = KFACApprox.EXPAND,
+        options: BlockOptions | None = None,
     ) -> None:
         self.head = head
         super().__init__(name=name, module=module, factor_dtype=factor_dtype,
                          kfac_approx=kfac_approx)
         self.uses = UseStatistics()
         self.stats = self.uses
+        if options is not None:
+            self.sample_rows(options)
 
     def setup(self) -> None:
         """The vocabulary side is dense up to ``LARGE_FACTOR_DIM``, diagonal above."""
@@ -130,23 +135,37 @@ class TiedEmbeddingBlock(EmbeddingBlock):
         return batch if batch.dim() == 3 else torch.diag_embed(batch)
 
     def record_input(self, x: torch.Tensor, *, in_hook: bool, site: int = 0) -> None:
-        """Indices (embedding: ``A_e``) or the head's input (``G_h = H^T H / M``)."""
+        """Indices (embedding: ``A_e``) or the head's input (``G_h = H^T H / M``).
+
+        With :attr:`factor_rows`, of a subset drawn for the call (the use's row share
+        counts every row).
+        """
         if not in_hook:
             self.uses.saved_inputs.append((x, site))
-        elif site == EMBEDDING_SITE:
-            self.uses.add(site, Side.A, self._vocabulary(self.compute_a_batch(x)), x.numel())
+            return
+        m = x.numel() if site == EMBEDDING_SITE else x.numel() // x.shape[-1]
+        rows = self.push_draw(site, m) if self.factor_rows is not None else None
+        if site == EMBEDDING_SITE:
+            a_e = self.compute_a_batch(select_indices(x, rows))
+            self.uses.add(site, Side.A, self._vocabulary(a_e), m)
         else:
-            g_h = factors.linear_a_factor(x, bias=False, dtype=self.dtype_for(x))
-            self.uses.add(site, Side.G, g_h, x.numel() // x.shape[-1])
+            g_h = factors.linear_a_factor(flat_rows(x, rows), bias=False, dtype=self.dtype_for(x))
+            self.uses.add(site, Side.G, g_h, m)
 
     def record_output_grad(
         self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool,
         inputs: torch.Tensor | None, site: int = 0,
     ) -> None:
-        """The embedding's output gradient (``G_e``) or the logits' (``A_h = D^T D / M``)."""
+        """The embedding's output gradient (``G_e``) or the logits' (``A_h = D^T D / M``).
+
+        With :attr:`factor_rows`, of the rows the call's forward drew.
+        """
         if not in_hook:
             self.uses.saved_grads.append((d, divisor, site))
-        elif site == EMBEDDING_SITE:
+            return
+        if self.factor_rows is not None:
+            d = flat_rows(d, self.pop_draw(site))
+        if site == EMBEDDING_SITE:
             self.uses.add(site, Side.G, self.compute_g_batch(d, divisor))
         elif self.is_diagonal(Side.A):
             rows = d.reshape(-1, d.shape[-1]).to(self.dtype_for(d))

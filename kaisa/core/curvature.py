@@ -71,8 +71,8 @@ class KFACCurvature:
         settings: The product's own settings every rank must share.
         method: The second-order method (default: ``config.compute_method``'s); a product
             whose rule keeps state with the decompositions brings its own.
-        factor_rows: Rows each call of a plain Linear block keeps for its statistics (a
-            random subset, ``docs/conventions.md``; ``None``: every row). Needs
+        factor_rows: Rows each call of a Linear, attention or embedding block keeps for its
+            statistics (a random subset, ``docs/conventions.md``; ``None``: every row). Needs
             ``config.update_factors_in_hook``.
         row_generator: The product's CPU generator the subsets are drawn from.
 

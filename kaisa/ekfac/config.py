@@ -88,8 +88,8 @@ class EKFACConfig:
         weight_decay: Default decoupled weight decay.
         basis_refresh: How bases are refreshed.
         eigh_every: With ``'qr'``, every how many refreshes one is a full ``eigh``.
-        factor_rows: Rows each call of a Linear block keeps for its factors (a random
-            subset), ``None`` for every row.
+        factor_rows: Rows each call of a Linear, attention or embedding block keeps for its
+            factors (a random subset), ``None`` for every row.
         seed: Seed of the row generator (``seed + rank`` on each rank).
         kfac: The curvature core's configuration.
     """

@@ -71,8 +71,8 @@ class EKFAC(torch.optim.Optimizer):
             every ``eigh_every``-th refresh) or ``'eigh'`` (always a full one).
         eigh_every: See ``basis_refresh``.
         kfac_approx: Linear blocks on sequences: ``'expand'`` or ``'reduce'``.
-        factor_rows: Row-subsampled factor statistics: each call of a Linear block
-            (``nn.Linear``; not attention, convolutions or embeddings) with more rows than
+        factor_rows: Row-subsampled factor statistics: each call of a Linear, attention or
+            embedding block (tied or not; not convolutions) with more rows than
             ``factor_rows`` computes its ``A`` and ``G`` from ``factor_rows`` of them drawn
             at random, the same rows for both (an unbiased estimate of the full factors,
             ``docs/conventions.md``, "Row-subsampled factor statistics"); ``None`` (the

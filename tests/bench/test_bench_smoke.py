@@ -21,7 +21,8 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     assert set(tasks["gpt"]) == {"adamw", "adam", "kfac_pre 10/100 + adamw",
                                  "kfac_pre 10/100 inverse + adamw", "kfac adaptive",
                                  "kfac adaptive double_backward", "kfac adaptive reduce",
-                                 "ekfac", "ekfac reduce", "ekfac rows256"}
+                                 "ekfac", "ekfac reduce", "ekfac rows256",
+                                 "ekfac rows256 linear only", "ekfac rows256 qr"}
     for entries in tasks.values():
         for name, entry in entries.items():
             split = entry["ms_by_category"]

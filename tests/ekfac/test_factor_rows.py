@@ -114,19 +114,19 @@ def test_monte_carlo_through_the_generator_approaches_the_full_factor() -> None:
     assert not torch.equal(a, full_a)
 
 
-def test_only_plain_linear_blocks_subsample() -> None:
+def test_linear_attention_and_embedding_blocks_subsample() -> None:
     class Mixed(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
             self.conv = nn.Conv1d(4, 4, 1)
             self.fc = nn.Linear(4, 4)
+            self.emb = nn.Embedding(5, 4)
 
-    blocks = register_blocks(Mixed(), kinds=("linear", "conv1d", "attention"), factor_rows=2,
-                             row_generator=torch.Generator())
+    blocks = register_blocks(Mixed(), kinds=("linear", "conv1d", "attention", "embedding"),
+                             factor_rows=2, row_generator=torch.Generator())
     rows = {name: getattr(b, "factor_rows", None) for name, b in blocks.items()}
-    assert rows.pop("fc") == 2
-    assert rows and all(v is None for v in rows.values())
+    assert rows == {"attn.in_proj": 2, "attn.out_proj": 2, "conv": None, "fc": 2, "emb": 2}
 
 
 # --------------------------------------------------------------------------- through EKFAC
