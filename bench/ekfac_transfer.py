@@ -1,0 +1,82 @@
+"""Learning-rate transfer rules for ``kaisa.EKFAC``, for the benchmarks only (not part of kaisa).
+
+The question: with the learning rate a user tuned for AdamW, which rule lets EKFAC (Adam in
+the Kronecker eigenbasis) reach the quality of EKFAC at its own best learning rate?
+:class:`ScaledEKFAC` is ``kaisa.EKFAC`` whose update of each Kronecker-covered parameter is
+rescaled after the step, per parameter tensor ("layerwise"):
+
+* ``'graft'``: grafting to Adam's update norm. A shadow AdamW state (``m``, ``v`` of the raw
+  gradient, the group's betas and eps) gives Adam's update ``a_p = -lr mhat / (sqrt(vhat) +
+  eps)``; EKFAC's update ``u_p`` (the step without the weight decay) becomes
+  ``u_p ||a_p|| / ||u_p||`` every step.
+* ``'rms'``: RMS-matching with a smoothed ratio: the same ratio ``r = ||a_p|| / ||u_p||``
+  (equal to the ratio of their RMSs) enters a running average ``s <- 0.99 s + 0.01 r``
+  (bias-corrected), and ``u_p`` becomes ``u_p s``: a measured per-layer scale of the
+  learning rate that changes slowly, where grafting follows every step's noise.
+
+The weight decay ``p <- p (1 - lr wd)`` is unchanged. The per-parameter averages of ``r``
+are kept in :attr:`ScaledEKFAC.ratios` (the measured scale of Adam's update over
+EKFAC's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import kaisa
+
+
+class ScaledEKFAC(kaisa.EKFAC):
+    """``kaisa.EKFAC`` with its covered parameters' updates rescaled (module docstring)."""
+
+    def __init__(self, model: nn.Module, *, rule: str, smoothing: float = 0.99,
+                 **kwargs: Any) -> None:
+        if rule not in ("graft", "rms"):
+            raise ValueError(f"rule must be 'graft' or 'rms', got {rule!r}")
+        super().__init__(model, **kwargs)
+        self.rule, self.smoothing = rule, smoothing
+        self.shadow: dict[int, dict[str, Any]] = {}
+        #: Per covered parameter (by name order): the sum and count of ``||a|| / ||u||``.
+        self.ratios: dict[int, list[float]] = {}
+
+    @torch.no_grad()
+    def _update(self) -> None:
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        covered = [p for g in self.param_groups for p in g["params"]
+                   if id(p) in self._covered and p.grad is not None]
+        before = {id(p): p.detach().clone() for p in covered}
+        super()._update()
+        for p in covered:
+            assert p.grad is not None
+            group = group_of[id(p)]
+            lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+            beta1, beta2 = group["betas"]
+            decayed = before[id(p)] * (1 - lr * wd) if wd != 0 else before[id(p)]
+            update = p.detach() - decayed
+            state = self.shadow.setdefault(id(p), {"t": 0, "m": torch.zeros_like(p),
+                                                   "v": torch.zeros_like(p), "s": 0.0})
+            state["t"] += 1
+            t = state["t"]
+            state["m"].lerp_(p.grad, 1 - beta1)
+            state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            adam = (state["m"] / (1 - beta1**t)) / ((state["v"] / (1 - beta2**t)).sqrt() + eps)
+            norm = float(update.norm())
+            ratio = lr * float(adam.norm()) / norm if norm > 0 else 1.0
+            total = self.ratios.setdefault(id(p), [0.0, 0.0])
+            total[0] += ratio
+            total[1] += 1
+            if self.rule == "graft":
+                scale = ratio
+            else:
+                state["s"] = self.smoothing * state["s"] + (1 - self.smoothing) * ratio
+                scale = state["s"] / (1 - self.smoothing**t)
+            p.copy_(decayed + scale * update)
+
+    def mean_ratio(self) -> float:
+        """The mean over parameters and steps of ``||a_p|| / ||u_p||``."""
+        sums = [s for s, _ in self.ratios.values()]
+        counts = [c for _, c in self.ratios.values()]
+        return sum(sums) / max(1.0, sum(counts))
