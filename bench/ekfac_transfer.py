@@ -16,7 +16,19 @@ rescaled after the step, per parameter tensor ("layerwise"):
 
 The weight decay ``p <- p (1 - lr wd)`` is unchanged. The per-parameter averages of ``r``
 are kept in :attr:`ScaledEKFAC.ratios` (the measured scale of Adam's update over
-EKFAC's).
+EKFAC's). ``kaisa.EKFAC(adam_graft=d)`` is the library's version of both (``d = 0``:
+``'graft'``, ``d = 0.99``: ``'rms'``; ``bench/gpt.py``'s ``ekfac-agNN``).
+
+Measured (``bench/results/gpt_lr_transfer_150.json``: ``python bench/gpt.py --steps 150
+--only adamw@0.003,ekfac@0.003,ekfac-b95@0.01,ekfac@0.01,ekfac-b95@0.003,ekfac-graft@0.003,
+ekfac-graft-b95@0.003,ekfac-rms-b95@0.003``; the byte GPT, d 128, 150 steps, one lockstep
+run), final validation loss: AdamW at 3e-3 2.680; EKFAC at AdamW's lr 3e-3 2.320; EKFAC at
+its own best (lr 1e-2, beta2 0.95) 2.237; at AdamW's lr 3e-3 with a rule: beta2 0.95 alone
+2.325, lr x 3.3 alone (1e-2, beta2 0.999) 2.314, ``'graft'`` 2.247, ``'graft'`` + beta2
+0.95 2.254, ``'rms'`` + beta2 0.95 2.212. The mean ratio ``||a_p|| / ||u_p||`` over
+parameters and steps was 2.6 (beta2 0.999) and 1.9-2.0 (beta2 0.95): EKFAC's update is
+2-3 times smaller than Adam's at the same lr, which is what its best lr (3.3 times
+AdamW's) makes up.
 """
 
 from __future__ import annotations
