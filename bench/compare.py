@@ -23,7 +23,7 @@ Configurations (``@value`` overrides a learning rate where one is named):
   in steps), ``bNN`` beta2 0.NN, ``qr`` bases refreshed by a warm-started QR step
   (``eigh`` every 10th refresh), ``graft`` / ``rms`` each covered parameter's update
   rescaled to Adam's update norm, every step / by a smoothed ratio
-  (``bench/ekfac_transfer.py``), ``agNN`` ``kaisa.EKFAC``'s own ``adam_graft=0.NN``.
+  (``bench/ekfac_transfer.py``).
 * ``klshampoo`` / ``klshampoo@lr``: ``bench/kl_shampoo.py`` (betas (0.9, 0.95), bases
   every 10 steps).
 * ``kfac``: ``kaisa.KFAC(model, loss="cross_entropy")`` with its defaults;
@@ -191,8 +191,6 @@ class Run:
             beta2 = next((int(o[1:]) / 100 for o in options if re.fullmatch(r"b\d\d", o)), 0.999)
             # factors every `every` steps, the running average's horizon kept in steps
             rule = next((o for o in options if o in ("graft", "rms")), None)
-            graft = next((int(o[2:]) / 100 for o in options if re.fullmatch(r"ag\d\d", o)),
-                         None)
             make: Any = kaisa.EKFAC if rule is None else partial(ScaledEKFAC, rule=rule)
             self.ekfac = make(
                 model, lr=lr, betas=(0.9, beta2),
@@ -200,7 +198,6 @@ class Run:
                 factor_update_steps=every, factor_decay=0.95**every, basis_update_steps=10,
                 basis_refresh="qr" if "qr" in options else "eigh",
                 kfac_approx="reduce" if "reduce" in options else "expand",
-                **({} if graft is None else {"adam_graft": graft}),
             )
             self.optimizers = [self.ekfac]
         elif name in ("kfac", "kfac@damping=0.1", "kfac-reduce"):

@@ -27,8 +27,7 @@ Configurations (``--only`` picks some; the default runs the first nine):
   in steps), ``bNN`` beta2 0.NN, ``qr`` bases refreshed by a warm-started QR step
   (``eigh`` every 10th refresh), ``reduce`` KFAC-reduce factor statistics (one row per
   sequence instead of one per token; ``docs/conventions.md``), ``graft`` / ``rms``
-  learning-rate transfer rules (``bench/ekfac_transfer.py``), ``agNN`` ``kaisa.EKFAC``'s
-  ``adam_graft=0.NN`` (``ag99`` is ``rms``). The default run has
+  learning-rate transfer rules (``bench/ekfac_transfer.py``). The default run has
   ``ekfac@3e-3`` (AdamW's recipe unchanged), ``ekfac-b95@1e-2``, ``ekfac-f5-b95@1e-2`` and
   ``ekfac-f5-b95@3e-3``.
 * ``adamw+kfac``: ``kaisa.KFACPreconditioner`` (damping 0.03, factors every step,

@@ -14,7 +14,7 @@ def test_bench_gpt_anchor_configs_smoke(tmp_path: Path) -> None:
     module = load_bench("gpt")
     out = tmp_path / "gpt.json"
     only = ("adamw@0.003,klshampoo@0.01,muon@0.02,muon@0.1,ekfac-graft@0.003,"
-            "ekfac-rms-b95@0.003,ekfac-ag99-b95@0.003")
+            "ekfac-rms-b95@0.003")
     payload = module.main(["--tiny", "--steps", "3", "--only", only, "--out", str(out),
                            "--text-bytes", "60000", "--no-plot"])
     assert json.loads(out.read_text())["summary"] == payload["summary"]
@@ -26,9 +26,7 @@ def test_bench_gpt_anchor_configs_smoke(tmp_path: Path) -> None:
     assert finals["muon@0.02"] != finals["muon@0.1"]  # the lr reaches Muon
     for name in ("ekfac-graft@0.003", "ekfac-rms-b95@0.003"):
         assert results[name]["mean_adam_over_ekfac_update_norm"] > 0
-    # kaisa.EKFAC(adam_graft=0.99) is the bench's rule (computed another way)
-    assert abs(finals["ekfac-ag99-b95@0.003"] - finals["ekfac-rms-b95@0.003"]) < 1e-3
-    assert finals["ekfac-ag99-b95@0.003"] != finals["ekfac-graft@0.003"]
+    assert finals["ekfac-rms-b95@0.003"] != finals["ekfac-graft@0.003"]
     assert set(module.ANCHOR_CONFIGS) >= {"klshampoo@0.01", "muon@0.05"}
 
 
