@@ -92,8 +92,6 @@ class EKFACConfig:
             subset), ``None`` for every row.
         seed: Seed of the row generator (``seed + rank`` on each rank).
         kfac: The curvature core's configuration.
-        adam_graft: Decay of the running ratio of Adam's update norm to EKFAC's that scales
-            each block part's update (``0``: grafting every step), ``None`` for none.
     """
 
     lr: float
@@ -105,7 +103,6 @@ class EKFACConfig:
     factor_rows: int | None
     seed: int
     kfac: KFACConfig
-    adam_graft: float | None = None
 
     @classmethod
     def of(
@@ -123,7 +120,6 @@ class EKFACConfig:
         weight_dtype: torch.dtype,
         factor_rows: int | None = None,
         seed: int = 0,
-        adam_graft: float | None = None,
         **core: Any,
     ) -> EKFACConfig:
         """Validates the arguments (a ``ValueError`` naming the first bad one).
@@ -142,7 +138,6 @@ class EKFACConfig:
             weight_dtype: The parameters' dtype.
             factor_rows: ``None`` or an int ``>= 1`` (needs ``update_factors_in_hook``).
             seed: An int (not a bool).
-            adam_graft: ``None`` or a number in ``[0, 1)`` (not a bool).
             **core: The other :class:`~kaisa.core.config.KFACConfig` keywords.
         """
         check_adam_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
@@ -150,11 +145,6 @@ class EKFACConfig:
         if callable(eigh_every):
             raise ValueError("eigh_every must be an integer >= 1")
         check_factor_rows(factor_rows)
-        if adam_graft is not None and (
-            isinstance(adam_graft, bool) or not isinstance(adam_graft, int | float)
-            or not 0.0 <= adam_graft < 1.0
-        ):
-            raise ValueError(f"adam_graft must be None or a number in [0, 1), got {adam_graft!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
         if factor_rows is not None and not core.get("update_factors_in_hook", True):
@@ -172,15 +162,14 @@ class EKFACConfig:
         return cls(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
                    weight_decay=float(weight_decay),
                    basis_refresh=parse_enum(BasisRefresh, basis_refresh, "basis_refresh"),
-                   eigh_every=eigh_every, factor_rows=factor_rows, seed=seed, kfac=kfac,
-                   adam_graft=None if adam_graft is None else float(adam_graft))
+                   eigh_every=eigh_every, factor_rows=factor_rows, seed=seed, kfac=kfac)
 
     def settings(self) -> dict[str, object]:
         """The settings every rank must share, beyond the core's."""
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
                 "lr": self.lr, "basis_refresh": self.basis_refresh.value,
                 "eigh_every": self.eigh_every, "factor_rows": self.factor_rows,
-                "seed": self.seed, "adam_graft": self.adam_graft}
+                "seed": self.seed}
 
     @property
     def warm_start(self) -> bool:

@@ -24,7 +24,6 @@ as for AdamW; bf16 autocast needs nothing.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -78,13 +77,6 @@ class EKFAC(torch.optim.Optimizer):
         seed: Seed of the generator the row subsets are drawn from (a CPU
             ``torch.Generator`` seeded ``seed + rank``; its state is in
             :meth:`state_dict`).
-        adam_graft: Grafting to Adam's update norm, a learning-rate transfer rule (the lr
-            tuned for AdamW given as is; ``docs/conventions.md``, "EKFAC"): each block
-            part's update is scaled by the running average, with this decay in ``[0, 1)``
-            (bias-corrected), of ``lr ||a|| / ||u||``, ``a`` the update of a shadow
-            AdamW on the raw gradient (its moments in the parameter's state) and ``u``
-            EKFAC's; ``0`` grafts to each step's ratio. ``None`` (the default): no
-            grafting. Not under FSDP2.
         layer_kinds: The block kinds to register (``'all'``: every Kronecker kind).
         skip_layers: Module names or class names (regular expressions) not to register.
         factor_dtype: Factor dtype (``None``: the activations', at least float32).
@@ -127,7 +119,6 @@ class EKFAC(torch.optim.Optimizer):
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
         factor_rows: int | None = None,
         seed: int = 0,
-        adam_graft: float | None = None,
         layer_kinds: str | tuple[str, ...] = KRONECKER_KINDS,
         skip_layers: str | list[str] | None = None,
         factor_dtype: torch.dtype | None = None,
@@ -158,7 +149,7 @@ class EKFAC(torch.optim.Optimizer):
             basis_update_steps=basis_update_steps, basis_refresh=basis_refresh,
             eigh_every=eigh_every, inv_dtype=inv_dtype, layer_kinds=layer_kinds,
             weight_dtype=params[0].dtype if params else torch.float32,
-            factor_rows=factor_rows, seed=seed, adam_graft=adam_graft, **core,
+            factor_rows=factor_rows, seed=seed, **core,
         )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(_groups(params, param_groups), defaults)
@@ -272,22 +263,15 @@ class EKFAC(torch.optim.Optimizer):
         results = self.curvature.transform(
             lambda block, grad: method.adam_step(block.decomposition, grad, steps[block.name],
                                                  dtype=dtype, diagonal=block.diagonal_sides))
-        graft = self.config.adam_graft
-        adam: dict[int, torch.Tensor] = {}
         with phase("update"):
             for entry in results:
                 block = entry.block
-                if graft is not None and block.sharded():
-                    raise ValueError("adam_graft is not supported under FSDP2 (block "
-                                     f"{block.name!r} is sharded)")
                 for p, part, rows in zip(block.parameters(), block.parts(entry.direction),
                                          block.row_slices(), strict=True):
                     if p.grad is None:
                         continue
                     target = rows_of(p, p, rows)  # the block's rows of a shared p (held: FSDP2)
                     group = group_of[id(p)]
-                    if graft is not None:
-                        part = part * self._graft_scale(p, part, rows, group, graft, adam)
                     if group["weight_decay"] != 0:
                         target.mul_(1 - group["lr"] * group["weight_decay"])
                     target.add_(part)
@@ -296,36 +280,6 @@ class EKFAC(torch.optim.Optimizer):
                 adamw_update([p for p in group["params"] if id(p) not in self._covered],
                              self.state, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                              weight_decay=group["weight_decay"])
-
-    def _graft_scale(self, p: torch.Tensor, part: torch.Tensor, rows: slice | None,
-                     group: dict[str, Any], decay: float,
-                     adam: dict[int, torch.Tensor]) -> float:
-        """``adam_graft``'s scale of the block part ``part`` of ``p`` (``docs/conventions.md``).
-
-        Updates ``p``'s shadow AdamW moments once per step (``adam`` holds this step's
-        Adam update per parameter) and the part's running ratio.
-        """
-        assert p.grad is not None
-        own = self.state[p]
-        beta1, beta2 = group["betas"]
-        t = float(own["step"].item())
-        if id(p) not in adam:
-            if "graft_exp_avg" not in own:
-                own["graft_exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                own["graft_exp_avg_sq"] = torch.zeros_like(p,
-                                                           memory_format=torch.preserve_format)
-            m, v = own["graft_exp_avg"], own["graft_exp_avg_sq"]
-            m.lerp_(p.grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            adam[id(p)] = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
-        norm = float(part.double().norm())
-        ratio = (float(group["lr"]) * float(rows_of(adam[id(p)], p, rows).double().norm())
-                 / norm if norm > 0 else 1.0)
-        key = "graft_ratio" if rows is None or rows.start is None else f"graft_ratio_{rows.start}"
-        if key not in own:
-            own[key] = torch.zeros((), dtype=torch.float64)
-        own[key].mul_(decay).add_(ratio * (1 - decay))
-        return float(own[key]) / (1.0 - math.pow(decay, t))
 
     def _arm(self) -> None:  # whether the coming forward passes record statistics
         s = self.steps
