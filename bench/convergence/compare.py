@@ -21,7 +21,11 @@ Configurations (``@value`` overrides a learning rate where one is named):
   AdamW's betas and eps and factors every step unless an option says otherwise: ``fK``
   factors every K steps with ``factor_decay`` 0.95**K (the running average's horizon kept
   in steps), ``bNN`` beta2 0.NN, ``qr`` bases refreshed by a warm-started QR step
-  (``eigh`` every 10th refresh).
+  (``eigh`` every 10th refresh), ``graft`` / ``rms`` each covered parameter's update
+  rescaled to Adam's update norm, every step / by a smoothed ratio
+  (``bench/convergence/ekfac_transfer.py``).
+* ``klshampoo`` / ``klshampoo@lr``: ``bench/convergence/kl_shampoo.py`` (betas (0.9, 0.95), bases
+  every 10 steps).
 * ``kfac``: ``kaisa.KFAC(model, loss="cross_entropy")`` with its defaults;
   ``kfac@damping=0.1``: damping 0.1, inverses every 5, ``pi_inverse``. Adaptive lr and
   momentum: no schedule, no clipping.
@@ -39,11 +43,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from ekfac_transfer import ScaledEKFAC
+from kl_shampoo import KLShampoo
 from soap import SOAP
 from torch import nn
 
@@ -70,7 +77,8 @@ class Recipe:
         muon_lr: Muon's lr (``muon``).
         muon_adamw_lr: The AdamW lr of the parameters Muon does not take.
         soap_lr: SOAP's lr (``soap``).
-        soap_flatten: SOAP preconditions parameters of more than 2 dims as matrices
+        klshampoo_lr: KL-Shampoo's lr (``klshampoo``).
+        soap_flatten: SOAP and KL-Shampoo precondition parameters of more than 2 dims as matrices
             ``(shape[0], -1)`` (else plain Adam on them).
         kfac_adamw_lr: The AdamW lr under ``adamw+kfac``.
         kfac_damping: ``adamw+kfac``'s damping.
@@ -84,6 +92,7 @@ class Recipe:
     muon_adamw_lr: float = 3e-3
     soap_lr: float = 1e-2
     soap_flatten: bool = False
+    klshampoo_lr: float = 1e-2
     kfac_adamw_lr: float = 3e-3
     kfac_damping: float = 0.03
     kfac_layer_kinds: tuple[str, ...] = ("linear", "conv2d")
@@ -163,6 +172,10 @@ class Run:
             lr = _value(name, recipe.soap_lr)
             self.optimizers = [SOAP(decay_groups(params, lr, recipe.decayed), lr=lr,
                                     betas=(0.95, 0.95), flatten=recipe.soap_flatten)]
+        elif name == "klshampoo" or name.startswith("klshampoo@"):
+            lr = _value(name, recipe.klshampoo_lr)
+            self.optimizers = [KLShampoo(decay_groups(params, lr, recipe.decayed), lr=lr,
+                                         flatten=recipe.soap_flatten)]
         elif name == "adamw+kfac" or name.startswith("adamw+kfac@"):
             lr = _value(name, recipe.kfac_adamw_lr)
             adamw = torch.optim.AdamW(decay_groups(params, lr, recipe.decayed))
@@ -179,7 +192,9 @@ class Run:
             beta2 = next((int(o[1:]) / 100 for o in options if re.fullmatch(r"b\d\d", o)), 0.999)
             rows = next((int(o[1:]) for o in options if re.fullmatch(r"r\d+", o)), None)
             # factors every `every` steps, the running average's horizon kept in steps
-            self.ekfac = kaisa.EKFAC(
+            rule = next((o for o in options if o in ("graft", "rms")), None)
+            make: Any = kaisa.EKFAC if rule is None else partial(ScaledEKFAC, rule=rule)
+            self.ekfac = make(
                 model, lr=lr, betas=(0.9, beta2),
                 param_groups=decay_groups(params, lr, recipe.decayed),
                 factor_update_steps=every, factor_decay=0.95**every, basis_update_steps=10,
@@ -238,7 +253,10 @@ class Run:
             return {}
         coverage = _coverage(owner, self.model)
         (owner if self.pre is not None else owner.curvature).remove_hooks()
-        return {"coverage": coverage}
+        extra = {"coverage": coverage}
+        if isinstance(owner, ScaledEKFAC):
+            extra["mean_adam_over_ekfac_update_norm"] = owner.mean_ratio()
+        return extra
 
 
 class Trainee:

@@ -12,7 +12,11 @@ Configurations (``--only`` picks some; the default runs the first nine):
 * ``muon``: ``torch.optim.Muon`` (lr 0.05) on the 2-D matrices inside the blocks
   (attention in/out projections, feed-forward), AdamW (3e-3) for the rest (tied
   embedding/head, positions, norms, biases).
+* ``muon@lr``: the same at Muon lr ``lr`` (the anchors' grid: 0.02, 0.05, 0.1).
 * ``soap``: ``bench/convergence/soap.py`` (lr 1e-2, betas (0.95, 0.95), basis every 10 steps).
+* ``klshampoo@lr``: ``bench/convergence/kl_shampoo.py`` (Lin et al., ICLR 2026: Shampoo's factors
+  fitted by KL minimisation, no Adam grafting; betas (0.9, 0.95), bases every 10 steps;
+  the anchors' grid: 3e-3, 1e-2, 3e-2).
 * ``kfac``: ``kaisa.KFAC(model, loss="cross_entropy")`` with its defaults, and
   ``kfac@damping=0.1`` (kaisa-train's ``--task lm`` default: damping 0.1, inverses
   every 5, ``pi_inverse``), and ``kfac-reduce`` (defaults with KFAC-reduce factor
@@ -23,7 +27,8 @@ Configurations (``--only`` picks some; the default runs the first nine):
   in steps), ``bNN`` beta2 0.NN, ``qr`` bases refreshed by a warm-started QR step
   (``eigh`` every 10th refresh), ``reduce`` KFAC-reduce factor statistics (one row per
   sequence instead of one per token; ``docs/conventions.md``), ``rK`` factor statistics
-  from ``K`` random rows of each call (``factor_rows``). The default run has
+  from ``K`` random rows of each call (``factor_rows``), ``graft`` / ``rms``
+  learning-rate transfer rules (``bench/convergence/ekfac_transfer.py``). The default run has
   ``ekfac@3e-3`` (AdamW's recipe unchanged), ``ekfac-b95@1e-2``, ``ekfac-f5-b95@1e-2`` and
   ``ekfac-f5-b95@3e-3``.
 * ``adamw+kfac``: ``kaisa.KFACPreconditioner`` (damping 0.03, factors every step,
@@ -37,6 +42,7 @@ The lr-based ones use warmup 20 steps then cosine to 10%, gradient clipping at n
 1.0 (before preconditioning) and weight decay 0.1 on matrices (AdamW, Muon, SOAP, EKFAC).
 
     python bench/convergence/gpt.py                       # 300 steps, context 64, batch 32, d 128
+    python bench/convergence/gpt.py --wide --only adamw@0.003,klshampoo@0.01  # d 256 x 6, ctx 128
     python bench/convergence/gpt.py --tiny --steps 3 --out /tmp/gpt.json   # smoke test
 """
 
@@ -65,6 +71,11 @@ CONFIGS = (
     "ekfac-b95@0.01", "ekfac-f5-b95@0.01", "ekfac-f5-b95@0.003",
 )
 EXTRA_CONFIGS = ("adamw+kfac", "kfac@damping=0.1", "kfac-reduce", "ekfac-qr@0.003")
+#: The anchors' grids: KL-Shampoo and Muon at three learning rates each.
+KLSHAMPOO_GRID = (3e-3, 1e-2, 3e-2)
+MUON_GRID = (0.02, 0.05, 0.1)
+ANCHOR_CONFIGS = (*(f"klshampoo@{lr:g}" for lr in KLSHAMPOO_GRID),
+                  *(f"muon@{lr:g}" for lr in MUON_GRID))
 
 
 RECIPE = Recipe(
@@ -105,12 +116,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--text-bytes", type=int, default=2 * 2**20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=",".join(CONFIGS),
-                        help="comma-separated configs (also: " + ",".join(EXTRA_CONFIGS) + ")")
+                        help="comma-separated configs (also: "
+                        + ",".join(EXTRA_CONFIGS + ANCHOR_CONFIGS) + ")")
+    parser.add_argument("--wide", action="store_true",
+                        help="wider GPT: d 256, 6 layers, 8 heads, context 128, batch 16 "
+                        "(the same 2048 tokens per step)")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke size: d 32, 2 layers, context 16, batch 4, 8 eval windows")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpt.json")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    if args.wide:
+        args.d_model, args.layers, args.heads, args.context, args.batch = 256, 6, 8, 128, 16
     if args.tiny:
         args.d_model, args.layers, args.context, args.batch = 32, 2, 16, 4
         args.eval_windows, args.eval_every = 8, max(1, args.steps // 2)
