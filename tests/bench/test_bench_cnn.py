@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,7 @@ def _load() -> ModuleType:
     return module
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_bench_cnn_smoke(tmp_path: Path) -> None:
     module = _load()
     out = tmp_path / "cnn.json"

@@ -10,6 +10,7 @@ import pytest
 from tests.support.bench import load_bench
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_step_cost_smoke(tmp_path: Path) -> None:
     module = load_bench("step_cost")
     out = tmp_path / "step_cost.json"

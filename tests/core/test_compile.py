@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch._dynamo as dynamo
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ def _train(compiled: bool) -> tuple[list[torch.Tensor], kaisa.KFACPreconditioner
     return [p.detach().clone() for p in model.parameters()], pre
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_compiled_model_trains_exactly_like_eager() -> None:
     dynamo.reset()
     eager, _ = _train(compiled=False)

@@ -132,6 +132,7 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 @pytest.mark.skipif(not HAS_EXT, reason="kaisa._C extension not available")
 def test_traced_by_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []

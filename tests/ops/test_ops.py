@@ -625,24 +625,28 @@ def _run_import(env_value: str | None, block_ext: bool) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_env_torch_forces_reference() -> None:
     res = _run_import("torch", block_ext=False)
     assert res.returncode == 0, res.stderr
     assert "BACKEND torch WARNINGS 0" in res.stdout
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_env_invalid_value() -> None:
     res = _run_import("gpu", block_ext=False)
     assert res.returncode != 0
     assert "ValueError" in res.stderr and "KAISA_BACKEND" in res.stderr
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_env_ext_without_extension_raises() -> None:
     res = _run_import("ext", block_ext=True)
     assert res.returncode != 0
     assert "ImportError" in res.stderr and "kaisa._C" in res.stderr
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_fallback_warns_once_without_extension() -> None:
     res = _run_import(None, block_ext=True)
     assert res.returncode == 0, res.stderr
@@ -650,6 +654,7 @@ def test_fallback_warns_once_without_extension() -> None:
     assert "falling back" in res.stdout
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 @needs_ext
 def test_default_uses_extension_when_available() -> None:
     res = _run_import(None, block_ext=False)

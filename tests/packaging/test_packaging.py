@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 _BLOCK = "import sys\nfor m in ('numpy', 'sklearn', 'tqdm', 'matplotlib'):\n    sys.modules[m] = None\n"
 
 
@@ -20,6 +22,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_library_works_without_the_app_dependencies() -> None:
     res = _run(
         """
@@ -45,6 +48,7 @@ def test_app_says_which_extra_is_missing() -> None:
     assert len(ours) == 1 and "kaisa[train]" in ours[0] and "numpy" in ours[0], res.stderr
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_source_tree_shadowing_the_installed_package_says_why_and_what_to_do(
     tmp_path: Path,
 ) -> None:

@@ -73,6 +73,7 @@ def _wait_for_records(path: Path, count: int, process: subprocess.Popen[str]) ->
 # --- item 4: two runs of one name -----------------------------------------------------------
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_second_run_of_the_same_name_is_refused_while_the_first_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -163,6 +164,7 @@ def test_disk_full_is_one_line_and_leaves_whole_files(
     assert _epochs(run / "metrics.jsonl") == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_file_size_limit_is_one_line_and_leaves_no_partial_file(tmp_path: Path) -> None:
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
@@ -191,6 +193,7 @@ def _without_root_file_override() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_read_only_run_directory_is_one_line_and_touches_nothing() -> None:
     base = Path(tempfile.mkdtemp())
     try:
@@ -214,6 +217,7 @@ def test_read_only_run_directory_is_one_line_and_touches_nothing() -> None:
         subprocess.run(["rm", "-rf", str(base)], check=False)
 
 
+@pytest.mark.slow  # subprocesses / long: the full suite runs it
 def test_ctrl_c_is_one_line_exit_130_and_keeps_checkpoint_and_metrics_consistent(
     tmp_path: Path,
 ) -> None:
