@@ -21,7 +21,9 @@ Configurations (``@value`` overrides a learning rate where one is named):
   AdamW's betas and eps and factors every step unless an option says otherwise: ``fK``
   factors every K steps with ``factor_decay`` 0.95**K (the running average's horizon kept
   in steps), ``bNN`` beta2 0.NN, ``qr`` bases refreshed by a warm-started QR step
-  (``eigh`` every 10th refresh), ``graft`` / ``rms`` each covered parameter's update
+  (``eigh`` every 10th refresh), ``rK`` factor statistics from ``K`` random rows of each
+  call (``factor_rows``), ``oK`` one-sided bases above dimension ``K`` (``max_basis_dim``),
+  ``graft`` / ``rms`` each covered parameter's update
   rescaled to Adam's update norm, every step / by a smoothed ratio
   (``bench/convergence/ekfac_transfer.py``).
 * ``klshampoo`` / ``klshampoo@lr``: ``bench/convergence/kl_shampoo.py`` (betas (0.9, 0.95), bases
@@ -191,6 +193,7 @@ class Run:
             every = next((int(o[1:]) for o in options if re.fullmatch(r"f\d+", o)), 1)
             beta2 = next((int(o[1:]) / 100 for o in options if re.fullmatch(r"b\d\d", o)), 0.999)
             rows = next((int(o[1:]) for o in options if re.fullmatch(r"r\d+", o)), None)
+            dense = next((int(o[1:]) for o in options if re.fullmatch(r"o\d+", o)), None)
             # factors every `every` steps, the running average's horizon kept in steps
             rule = next((o for o in options if o in ("graft", "rms")), None)
             make: Any = kaisa.EKFAC if rule is None else partial(ScaledEKFAC, rule=rule)
@@ -200,6 +203,7 @@ class Run:
                 factor_update_steps=every, factor_decay=0.95**every, basis_update_steps=10,
                 basis_refresh="qr" if "qr" in options else "eigh",
                 kfac_approx="reduce" if "reduce" in options else "expand", factor_rows=rows,
+                max_basis_dim=dense,
             )
             self.optimizers = [self.ekfac]
         elif name in ("kfac", "kfac@damping=0.1", "kfac-reduce"):

@@ -27,7 +27,8 @@ Configurations (``--only`` picks some; the default runs the first nine):
   in steps), ``bNN`` beta2 0.NN, ``qr`` bases refreshed by a warm-started QR step
   (``eigh`` every 10th refresh), ``reduce`` KFAC-reduce factor statistics (one row per
   sequence instead of one per token; ``docs/conventions.md``), ``rK`` factor statistics
-  from ``K`` random rows of each call (``factor_rows``), ``graft`` / ``rms``
+  from ``K`` random rows of each call (``factor_rows``), ``oK`` one-sided bases: sides
+  above dimension ``K`` kept diagonal and unrotated (``max_basis_dim``), ``graft`` / ``rms``
   learning-rate transfer rules (``bench/convergence/ekfac_transfer.py``). The default run has
   ``ekfac@3e-3`` (AdamW's recipe unchanged), ``ekfac-b95@1e-2``, ``ekfac-f5-b95@1e-2`` and
   ``ekfac-f5-b95@3e-3``.

@@ -70,6 +70,7 @@ def register_blocks(
     cross_modules: Collection[int] = (),
     factor_rows: int | None = None,
     row_generator: torch.Generator | None = None,
+    max_dense_dim: int | None = None,
 ) -> dict[str, CurvatureBlock]:
     """Wraps every supported, trainable module of ``model`` not matched by ``skip``.
 
@@ -87,6 +88,8 @@ def register_blocks(
         factor_rows: Rows each call of a Linear, attention or embedding block (tied or
             not) keeps for its statistics (a random subset; ``None``: every row).
         row_generator: The CPU generator of the row subsets (needed with ``factor_rows``).
+        max_dense_dim: Linear and attention blocks keep each side larger than this as its
+            diagonal (``None``: every side dense).
 
     Returns:
         ``name -> block`` in model order (a module may give several blocks). A block is
@@ -116,7 +119,7 @@ def register_blocks(
         if pair is not None and pair[0] is module:
             if tied_on:
                 options = BlockOptions(factor_dtype, kfac_approx, factor_rows=factor_rows,
-                                       row_generator=row_generator)
+                                       row_generator=row_generator, max_dense_dim=max_dense_dim)
                 blocks.update(_tied(name, pair, names[id(pair[1])], skip, options))
             continue
         kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
@@ -126,7 +129,8 @@ def register_blocks(
         if any(r.search(name) or r.search(cls_name) for r in skip):
             continue
         options = BlockOptions(factor_dtype, kfac_approx, cross_attention=id(module) in cross,
-                               factor_rows=factor_rows, row_generator=row_generator)
+                               factor_rows=factor_rows, row_generator=row_generator,
+                               max_dense_dim=max_dense_dim)
         made = _kept(kind.build(name, module, options), skip)
         if not made:
             continue

@@ -119,6 +119,7 @@ class AttentionBlock(LinearBlock):
                 kfac_approx=options.kfac_approx,
             )
             block.sample_rows(options)
+            block.limit_dense(options.max_dense_dim)
             blocks[block.name] = block
 
         packed = module.in_proj_weight

@@ -129,6 +129,41 @@ def linear_g_factor(
     return ops.covariance(d, 1.0 / max(d.shape[0], 1)).unsqueeze(0)
 
 
+def linear_a_diagonal(x: torch.Tensor, *, bias: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``diag(Xb^T Xb / M)`` of a Linear layer, without the dense factor.
+
+    Args:
+        x: the layer input, any number of leading dimensions.
+        bias: whether the layer has a bias (its coordinate is ``1``).
+        dtype: the factor dtype.
+
+    Returns:
+        ``(1, in+bias)``.
+    """
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    diagonal = x2.square().sum(0) / max(x2.shape[0], 1)
+    if bias:
+        diagonal = torch.cat([diagonal, diagonal.new_ones(1)])
+    return diagonal.unsqueeze(0)
+
+
+def linear_g_diagonal(
+    grad_output: torch.Tensor, *, dtype: torch.dtype, loss_scale: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """``diag(D^T D / M)`` of a Linear layer, with ``D`` divided by the loss scale.
+
+    Args:
+        grad_output: gradient w.r.t. the layer output, any leading dimensions.
+        dtype: the factor dtype.
+        loss_scale: the grad scaler's scale (as :func:`linear_g_factor`).
+
+    Returns:
+        ``(1, out)``.
+    """
+    d = _unscale(grad_output.reshape(-1, grad_output.shape[-1]).to(dtype), loss_scale)
+    return (d.square().sum(0) / max(d.shape[0], 1)).unsqueeze(0)
+
+
 def conv_a_factor(
     x: torch.Tensor, geometry: ConvGeometry, *, bias: bool, dtype: torch.dtype
 ) -> torch.Tensor:

@@ -11,8 +11,8 @@ from torch import nn
 from kaisa.blocks import factors
 from kaisa.blocks.base import CurvatureBlock
 from kaisa.blocks.rows import RowSampling, flat_rows, sampling
-from kaisa.blocks.state import BlockOptions
-from kaisa.utils.enums import KFACApprox
+from kaisa.blocks.state import BlockOptions, RunningFactors
+from kaisa.utils.enums import KFACApprox, Side
 
 __all__ = ["LinearBlock"]
 
@@ -40,13 +40,32 @@ class LinearBlock(RowSampling):
         cls, name: str, module: nn.Module, options: BlockOptions
     ) -> dict[str, CurvatureBlock]:
         """One block named ``name``, subsampling with ``options.factor_rows``."""
-        return sampling(super().build(name, module, options), options)
+        made = sampling(super().build(name, module, options), options)
+        for block in made.values():
+            if isinstance(block, LinearBlock):
+                block.limit_dense(options.max_dense_dim)
+        return made
+
+    def limit_dense(self, limit: int | None) -> None:
+        """Keeps each side larger than ``limit`` as its diagonal (``None``: no change).
+
+        Called before any statistics (``docs/conventions.md``, "One-sided bases").
+        """
+        if limit is None:
+            return
+        sides = frozenset(side for side, n in zip((Side.A, Side.G), self.dims, strict=True)
+                          if n > limit)
+        if sides != self.diagonal_sides:
+            self.diagonal_sides = sides
+            self.factors = RunningFactors(diagonal_sides=sides)
 
     def compute_a_batch(self, x: torch.Tensor) -> torch.Tensor:
         """``Xb^T Xb / M`` (rows: positions, or examples' mean inputs)."""
         dtype = self.dtype_for(x)
         if self._reduces(x):
             x = x.to(dtype).mean(dim=self._shared_dims(x))
+        if self.is_diagonal(Side.A):
+            return factors.linear_a_diagonal(x, bias=self.has_bias, dtype=dtype)
         return factors.linear_a_factor(x, bias=self.has_bias, dtype=dtype)
 
     def compute_g_batch(
@@ -56,6 +75,8 @@ class LinearBlock(RowSampling):
         dtype = self.dtype_for(grad_output)
         if self._reduces(grad_output):
             grad_output = grad_output.to(dtype).sum(dim=self._shared_dims(grad_output))
+        if self.is_diagonal(Side.G):
+            return factors.linear_g_diagonal(grad_output, dtype=dtype, loss_scale=loss_scale)
         return factors.linear_g_factor(grad_output, dtype=dtype, loss_scale=loss_scale)
 
     # ------------------------------------------------------------------ row subsets

@@ -93,6 +93,8 @@ class BlockOptions:
             keeps (a random subset, ``docs/conventions.md``), ``None`` for every row.
         row_generator: The CPU generator the row subsets are drawn from (with
             ``factor_rows``).
+        max_dense_dim: A Linear or attention block keeps each side larger than this as
+            its diagonal (``docs/conventions.md``, "One-sided bases"); ``None``: dense.
     """
 
     factor_dtype: torch.dtype | None = None
@@ -100,6 +102,7 @@ class BlockOptions:
     cross_attention: bool = False
     factor_rows: int | None = None
     row_generator: torch.Generator | None = None
+    max_dense_dim: int | None = None
 
 
 @dataclass

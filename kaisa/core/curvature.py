@@ -75,6 +75,8 @@ class KFACCurvature:
             statistics (a random subset, ``docs/conventions.md``; ``None``: every row). Needs
             ``config.update_factors_in_hook``.
         row_generator: The product's CPU generator the subsets are drawn from.
+        max_dense_dim: Linear and attention blocks keep each side larger than this as its
+            diagonal (``docs/conventions.md``, "One-sided bases"; ``None``: dense).
 
     Raises:
         ValueError: If the model has no supported block.
@@ -90,6 +92,7 @@ class KFACCurvature:
         method: SecondOrderMethod | None = None,
         factor_rows: int | None = None,
         row_generator: torch.Generator | None = None,
+        max_dense_dim: int | None = None,
     ) -> None:
         if factor_rows is not None and not config.update_factors_in_hook:
             raise ValueError("factor_rows needs update_factors_in_hook=True (the row subsets "
@@ -99,7 +102,8 @@ class KFACCurvature:
         blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype,
                                  kfac_approx=config.kfac_approx, kinds=config.layer_kinds,
                                  cross_attention=config.cross_attention_patterns,
-                                 factor_rows=factor_rows, row_generator=row_generator)
+                                 factor_rows=factor_rows, row_generator=row_generator,
+                                 max_dense_dim=max_dense_dim)
         # Before anything a rank could refuse alone: every rank raises or none does.
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         layers = [(name, b.kind, tuple(b.dims)) for name, b in blocks.items()]
@@ -135,7 +139,7 @@ class KFACCurvature:
         )
         # What a relayout rebuilds blocks and the engine from (cross-attention detected).
         self._model, self._config = model, config
-        self._row_options = (factor_rows, row_generator)
+        self._row_options = (factor_rows, row_generator, max_dense_dim)
         self._cross: set[int] = set()
         self._probes = {
             id(m): m.register_forward_pre_hook(self._probe, with_kwargs=True, prepend=True)
@@ -179,12 +183,12 @@ class KFACCurvature:
         """Rebuilds ``module``'s blocks in the cross-attention layout, and the engine."""
         config = self._config
         self._cross.add(id(module))
-        rows, generator = self._row_options
+        rows, generator, dense = self._row_options
         fresh = register_blocks(self._model, skip=config.skip_patterns,
                                 factor_dtype=config.factor_dtype, kfac_approx=config.kfac_approx,
                                 kinds=config.layer_kinds, cross_attention=None,
                                 cross_modules=self._cross, factor_rows=rows,
-                                row_generator=generator)
+                                row_generator=generator, max_dense_dim=dense)
         new = {n: b for n, b in fresh.items() if b.module is module}
         blocks: dict[str, CurvatureBlock] = {}
         for name, block in self._blocks.items():

@@ -69,12 +69,12 @@ def check_adam_group(group: dict[str, Any], where: str = "") -> None:
         raise ValueError(f"betas{where} must be two numbers in [0, 1), got {betas!r}")
 
 
-def check_factor_rows(value: object) -> None:
+def check_factor_rows(value: object, name: str = "factor_rows") -> None:
     """Raises ``ValueError`` unless ``value`` is ``None`` or an int ``>= 1`` (not a bool)."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"factor_rows must be None or an integer >= 1, got {value!r}")
+        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +91,8 @@ class EKFACConfig:
         factor_rows: Rows each call of a Linear, attention or embedding block keeps for its
             factors (a random subset), ``None`` for every row.
         seed: Seed of the row generator (``seed + rank`` on each rank).
+        max_basis_dim: Sides of Linear and attention blocks larger than this keep the
+            identity basis (``None``: every side rotated).
         kfac: The curvature core's configuration.
     """
 
@@ -102,6 +104,7 @@ class EKFACConfig:
     eigh_every: int
     factor_rows: int | None
     seed: int
+    max_basis_dim: int | None
     kfac: KFACConfig
 
     @classmethod
@@ -120,6 +123,7 @@ class EKFACConfig:
         weight_dtype: torch.dtype,
         factor_rows: int | None = None,
         seed: int = 0,
+        max_basis_dim: int | None = None,
         **core: Any,
     ) -> EKFACConfig:
         """Validates the arguments (a ``ValueError`` naming the first bad one).
@@ -138,6 +142,7 @@ class EKFACConfig:
             weight_dtype: The parameters' dtype.
             factor_rows: ``None`` or an int ``>= 1`` (needs ``update_factors_in_hook``).
             seed: An int (not a bool).
+            max_basis_dim: ``None`` or an int ``>= 1``.
             **core: The other :class:`~kaisa.core.config.KFACConfig` keywords.
         """
         check_adam_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
@@ -145,6 +150,7 @@ class EKFACConfig:
         if callable(eigh_every):
             raise ValueError("eigh_every must be an integer >= 1")
         check_factor_rows(factor_rows)
+        check_factor_rows(max_basis_dim, "max_basis_dim")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
         if factor_rows is not None and not core.get("update_factors_in_hook", True):
@@ -162,14 +168,15 @@ class EKFACConfig:
         return cls(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
                    weight_decay=float(weight_decay),
                    basis_refresh=parse_enum(BasisRefresh, basis_refresh, "basis_refresh"),
-                   eigh_every=eigh_every, factor_rows=factor_rows, seed=seed, kfac=kfac)
+                   eigh_every=eigh_every, factor_rows=factor_rows, seed=seed,
+                   max_basis_dim=max_basis_dim, kfac=kfac)
 
     def settings(self) -> dict[str, object]:
         """The settings every rank must share, beyond the core's."""
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
                 "lr": self.lr, "basis_refresh": self.basis_refresh.value,
                 "eigh_every": self.eigh_every, "factor_rows": self.factor_rows,
-                "seed": self.seed}
+                "seed": self.seed, "max_basis_dim": self.max_basis_dim}
 
     @property
     def warm_start(self) -> bool:

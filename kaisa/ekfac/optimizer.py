@@ -81,6 +81,11 @@ class EKFAC(torch.optim.Optimizer):
         seed: Seed of the generator the row subsets are drawn from (a CPU
             ``torch.Generator`` seeded ``seed + rank``; its state is in
             :meth:`state_dict`).
+        max_basis_dim: One-sided bases, as SOAP's ``max_precond_dim``: a side of a Linear
+            or attention block whose dimension exceeds it is kept as its diagonal and
+            not rotated (its statistics, decomposition and rotations skipped;
+            ``docs/conventions.md``, "One-sided bases"); ``None`` (the default) rotates
+            every side. An int ``>= 1``.
         layer_kinds: The block kinds to register (``'all'``: every Kronecker kind).
         skip_layers: Module names or class names (regular expressions) not to register.
         cross_attention: Which ``nn.MultiheadAttention`` modules have the cross-attention
@@ -129,6 +134,7 @@ class EKFAC(torch.optim.Optimizer):
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
         factor_rows: int | None = None,
         seed: int = 0,
+        max_basis_dim: int | None = None,
         layer_kinds: str | tuple[str, ...] = KRONECKER_KINDS,
         skip_layers: str | list[str] | None = None,
         cross_attention: str | list[str] | None = None,
@@ -161,7 +167,7 @@ class EKFAC(torch.optim.Optimizer):
             basis_update_steps=basis_update_steps, basis_refresh=basis_refresh,
             eigh_every=eigh_every, inv_dtype=inv_dtype, layer_kinds=layer_kinds,
             weight_dtype=params[0].dtype if params else torch.float32,
-            factor_rows=factor_rows, seed=seed, **core,
+            factor_rows=factor_rows, seed=seed, max_basis_dim=max_basis_dim, **core,
         )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(_groups(params, param_groups), defaults)
@@ -176,7 +182,8 @@ class EKFAC(torch.optim.Optimizer):
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2,
                                        settings=config.settings(), method=self._method,
                                        factor_rows=config.factor_rows,
-                                       row_generator=self.row_generator)
+                                       row_generator=self.row_generator,
+                                       max_dense_dim=config.max_basis_dim)
         self._covered = {id(p) for b in self.curvature.blocks.values() if not b.diagonal
                          for p in b.parameters()}
         #: Steps taken (:meth:`step` calls, overflowed ones included).
