@@ -19,7 +19,9 @@ Tasks and configurations (each keeps its own model, built from the same seed):
   with ``factor_rows=256``, 256 of the 2048 rows of each Linear, attention and embedding
   call; ``ekfac rows256 linear only``: the same with the attention and tied-embedding blocks
   keeping every row, as ``factor_rows`` was first; ``ekfac rows256 qr``: with
-  ``basis_refresh="qr"``). No clipping, no lr
+  ``basis_refresh="qr"``; ``ekfac rows256 o256``: with one-sided bases above 256,
+  ``max_basis_dim=256``, and that with factors every 2 steps (``f2``) or bases every 20
+  (``b20``)). No clipping, no lr
   schedule. The configurations are built in ``bench/step_cost/step_cost_tasks.py``.
 
 Protocol: one thread; ``--warmup`` steps, then ``--rounds`` rounds of ``--round-steps``

@@ -225,17 +225,23 @@ def gpt_runners(smoke: bool) -> list[Runner]:
     for suffix, extra in (("", {}), (" reduce", {"kfac_approx": "reduce"}),
                           (" rows256", {"factor_rows": 256}),
                           (" rows256 linear only", {"factor_rows": 256}),
-                          (" rows256 qr", {"factor_rows": 256, "basis_refresh": "qr"})):
+                          (" rows256 qr", {"factor_rows": 256, "basis_refresh": "qr"}),
+                          (" rows256 o256", {"factor_rows": 256, "max_basis_dim": 256}),
+                          (" rows256 o256 f2", {"factor_rows": 256, "max_basis_dim": 256,
+                                                "factor_update_steps": 2}),
+                          (" rows256 o256 b20", {"factor_rows": 256, "max_basis_dim": 256,
+                                                 "basis_update_steps": 20})):
         model = build()
-        ekfac = kaisa.EKFAC(model, lr=3e-3, factor_update_steps=1, basis_update_steps=10,
-                            **extra)
+        every = {"factor_update_steps": 1, "basis_update_steps": 10} | extra
+        ekfac = kaisa.EKFAC(model, lr=3e-3, **every)
         if suffix.endswith("linear only"):
             for block in ekfac.curvature.blocks.values():
                 if block.kind != "linear":
                     block.factor_rows = None  # type: ignore[attr-defined]
         runners.append(Runner("ekfac" + suffix, "adamw",
                               first_order_step(model, lm_loss, batches, ekfac, kfac=True),
-                              *schedule(F=1, I=10), state_of(ekfac)))
+                              *schedule(F=int(every["factor_update_steps"]),
+                                        I=int(every["basis_update_steps"])), state_of(ekfac)))
     return runners
 
 
