@@ -7,7 +7,12 @@
 # behaviour aborts the run. This is their one run in CI: .ci/run's last step ignores FILES
 # (--list prints them) and runs, plainly, only emulator tests in other files.
 #
-# Usage: .ci/simt_sanitize.sh [--list]   (PYTHON, CXX select the interpreter and compiler)
+# The built library is cached between runs (when the cache directory survives), keyed by the
+# hash of everything the build reads (tools/simt/build.py, KAISA_SIMT_CACHE): a fresh virtual
+# environment makes ninja rebuild every object, an unchanged csrc + tools/simt need not.
+#
+# Usage: .ci/simt_sanitize.sh [--list]   (PYTHON, CXX select the interpreter and compiler;
+#   KAISA_CI_CACHE the cache directory, default ${XDG_CACHE_HOME:-$HOME/.cache}/kaisa-ci)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -32,6 +37,7 @@ fi
 # __cxa_throw (python itself does not link libstdc++).
 PRELOAD="$ASAN_RT $STDCXX"
 export KAISA_SIMT_SANITIZE=1 OMP_NUM_THREADS=1
+export KAISA_SIMT_CACHE="${KAISA_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kaisa-ci}/simt"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
