@@ -17,6 +17,13 @@ checks) is compiled the same way. The ops register as ``torch.ops.kaisa_simt.*``
 UndefinedBehaviorSanitizer build); only changed sources are recompiled.
 ``KAISA_SIMT_CSRC`` builds another copy of ``csrc`` instead (``tools/simt/mutate.py``).
 
+``KAISA_SIMT_CACHE`` (a directory; CI sets it) keeps built libraries of the project's
+``csrc`` keyed by the hash of everything the build reads: ``csrc``, ``tools/simt``'s
+headers, runtime and test kernels, this file, the flags, the checkout's path, the
+compiler's version, Python's and torch's. ninja cannot reuse ``build/`` across fresh
+virtual environments (a reinstalled torch has new header mtimes, so every object is
+rebuilt); a library whose inputs are all unchanged is loaded from the cache instead.
+
 Usage: ``python -m tools.simt.build [--sanitize] [--verbose]`` builds, loads and prints
 the library path.
 """
@@ -24,9 +31,12 @@ the library path.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +44,13 @@ SIMT = ROOT / "tools" / "simt"
 KERNEL_SOURCES = SIMT / "kernels"  # the emulator's own test kernels
 CSRC_ENV = "KAISA_SIMT_CSRC"
 """Environment variable naming another copy of ``csrc`` to build (the mutation check)."""
+CACHE_ENV = "KAISA_SIMT_CACHE"
+"""Environment variable naming a directory of built libraries keyed by their inputs."""
+CACHE_KEEP = 4
+"""Cached libraries kept per build name (the newest)."""
+_LOADED: dict[Path, Path] = {}
+"""Cache entry -> the library this process loaded for it (loading a second copy of the
+same library from another path would register its ops twice)."""
 RUNTIME = ["fiber.cpp", "shared.cpp", "stream.cpp", "device.cpp", "cublas.cpp", "cusolver.cpp", "control.cpp"]
 
 _LAUNCH = re.compile(r"<<<(?P<config>.*?)>>>\s*\(", re.DOTALL)
@@ -121,6 +138,29 @@ def generate(out_dir: Path, source: Path) -> list[Path]:
     return generated
 
 
+def _cache_key(source: Path, cflags: list[str], ldflags: list[str]) -> str:
+    """Hash of every input of the build of ``source`` (see the module docstring)."""
+    import torch
+
+    digest = hashlib.sha256()
+
+    def add(data: bytes) -> None:
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+
+    for tree in (source, SIMT / "include", SIMT / "src", KERNEL_SOURCES):
+        for path in sorted(p for p in tree.rglob("*") if p.is_file()):
+            add(str(path.relative_to(tree)).encode())
+            add(path.read_bytes())
+    add(Path(__file__).read_bytes())
+    cxx = os.environ.get("CXX", "c++")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    env = [os.environ.get(v, "") for v in ("CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS")]
+    add(repr((str(ROOT), str(source), cflags, ldflags, env, version.stdout, sys.version,
+              torch.__version__, torch.version.git_version, torch.__file__)).encode())
+    return digest.hexdigest()[:24]
+
+
 def load(sanitize: bool = False, verbose: bool = False) -> Path:
     """Builds the emulator library if a source changed, loads it and returns its path.
 
@@ -157,6 +197,18 @@ def load(sanitize: bool = False, verbose: bool = False) -> Path:
         ldflags += san
     else:
         cflags += ["-O2"]
+    cache_dir = os.environ.get(CACHE_ENV, "")
+    cached: Path | None = None
+    if cache_dir and source == ROOT / "csrc":  # never a mutant
+        cached = Path(cache_dir) / f"{name}-{_cache_key(source, cflags, ldflags)}.so"
+        if cached in _LOADED:
+            return _LOADED[cached]
+        if cached.is_file():
+            import torch
+
+            torch.ops.load_library(str(cached))  # type: ignore[no-untyped-call]
+            _LOADED[cached] = cached
+            return cached
     build_dir.mkdir(parents=True, exist_ok=True)
     # The compilers must not run with the ASan runtime preloaded into them (slow).
     preload = os.environ.pop("LD_PRELOAD", None)
@@ -175,6 +227,15 @@ def load(sanitize: bool = False, verbose: bool = False) -> Path:
     finally:
         if preload is not None:
             os.environ["LD_PRELOAD"] = preload
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(str(path), partial)
+        os.replace(partial, cached)
+        older = sorted(cached.parent.glob(f"{name}-*.so"), key=lambda p: p.stat().st_mtime)
+        for stale in older[:-CACHE_KEEP]:
+            stale.unlink(missing_ok=True)
+        _LOADED[cached] = Path(str(path))
     return Path(str(path))
 
 
