@@ -23,7 +23,9 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
                                  "kfac_pre 10/100 inverse + adamw", "kfac adaptive",
                                  "kfac adaptive double_backward", "kfac adaptive reduce",
                                  "ekfac", "ekfac reduce", "ekfac rows256",
-                                 "ekfac rows256 linear only", "ekfac rows256 qr"}
+                                 "ekfac rows256 linear only", "ekfac rows256 qr",
+                                 "ekfac rows256 o256", "ekfac rows256 o256 f2",
+                                 "ekfac rows256 o256 b20"}
     for entries in tasks.values():
         for name, entry in entries.items():
             split = entry["ms_by_category"]
