@@ -9,8 +9,11 @@ issue). Without namespaces (not root, no ``ip``), ``--loopback`` runs the ranks 
 127.0.0.1 unshaped.
 
 For every valid fraction at 2 and 4 ranks, a 5-layer MLP's blocks (factors and gradients
-set, as the engine's unit tests do) go through the engine's three distributed phases,
-each timed as the slowest rank's median of 3 (after a warm-up):
+set, as the engine's unit tests do) go through the engine's three distributed phases
+(rank ``r`` pinned to core ``r mod cores``). After a warm-up, each of 7 rounds measures
+the kernels (:func:`kaisa.plan.microbenchmark`, every rank at once, ``shared``) and then
+times every phase once on every rank; a phase's time is the median over the rounds of
+the slowest rank's, and its prediction the median of the rounds' predictions:
 
 * ``factor allreduce``: every A and G through the communicator's fused allreduce;
 * ``decomposition broadcast`` and ``gradient broadcast``: the engine's broadcasts (its
@@ -18,9 +21,10 @@ each timed as the slowest rank's median of 3 (after a warm-up):
 * ``decompose + broadcast``: :meth:`DistributedEngine.update_decompositions`;
 * ``precondition + broadcast``: :meth:`DistributedEngine.precondition`.
 
-The prediction is :class:`kaisa.plan.IterationModel` on the same placement, with a
-compute profile every rank measured at the start (so CPU contention between the ranks on
-this 2-core machine is in it) and the measured link.
+The prediction is :class:`kaisa.plan.IterationModel` on the same placement, with each
+round's compute profile (so the load of the machine when the phases ran is in it) and
+the measured link. Single collectives (an allreduce, a broadcast from rank 0; 64 KiB to
+4 MiB) are timed alone too, as evidence for the collective models.
 
     python bench/distributed/plan_validation.py               # as root: namespaces + tc
     python bench/distributed/plan_validation.py --loopback    # anywhere
@@ -45,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "plan_validation.json"
 NS, BRIDGE, SUBNET = "kplan", "br-kplan", "10.77.0."
 WIDTHS = [256, 384, 256, 256, 128, 10]
-ROWS, DAMPING, REPEATS = 64, 0.01, 3
+ROWS, DAMPING, ROUNDS = 64, 0.01, 7
 
 
 def _sh(cmd: str) -> None:
@@ -134,6 +138,29 @@ def _phases(engine, blocks, grads, method, rank, world):  # type: ignore[no-unty
             "precondition + broadcast": lambda: engine.precondition(grads, DAMPING)}
 
 
+def _single_collectives(rank: int) -> dict[str, dict[str, float]]:
+    """One allreduce, and one broadcast from rank 0, alone: the slowest rank's median of 5."""
+    import torch
+    import torch.distributed as dist
+
+    out: dict[str, dict[str, float]] = {"allreduce": {}, "broadcast": {}}
+    for nbytes in (1 << 16, 1 << 20, 1 << 22):
+        buf = torch.zeros(nbytes // 4)
+        for name, fn in (("allreduce", lambda b=buf: dist.all_reduce(b)),
+                         ("broadcast", lambda b=buf: dist.broadcast(b, 0))):
+            fn()
+            times = []
+            for _ in range(5):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            out[name][str(nbytes)] = float(worst.item())
+    return out
+
+
 def worker(rank: int, world: int, master: str, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -148,6 +175,7 @@ def worker(rank: int, world: int, master: str, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=world)
     net = measured_network(sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeats=3)
+    single = _single_collectives(rank)
     model, _ = _mlp()
     method = make_method(ComputeMethod.EIGEN)
     blocks = register_blocks(model)
@@ -163,33 +191,35 @@ def worker(rank: int, world: int, master: str, port: int, out: str) -> None:
             block.bias.grad = torch.randn(block.bias.shape, generator=gen)
     rows = []
     for fraction in valid_fractions(world):
-        # the load of this shared machine drifts: measure the kernels again, all ranks at once
-        dist.barrier()
-        profile = microbenchmark("cpu", quick=True, repeats=7)
         engine = DistributedEngine(blocks, EngineConfig(grad_worker_fraction=float(fraction)),
                                    method)
         grads = {n: b.gradient_matrix() for n, b in blocks.items()}
-
         phases = _phases(engine, blocks, grads, method, rank, world)
-        measured = {}
-        for name, fn in phases.items():
+        for fn in phases.values():  # warm-up
+            fn()
+        # The load of this shared machine drifts: each round measures the kernels again
+        # (every rank at once, back to back, as the phases run) and then every phase once.
+        profiles, rounds = [], []
+        for _ in range(ROUNDS):
+            dist.barrier()
+            profiles.append(microbenchmark("cpu", quick=True, repeats=5, shared=True).to_json())
             times = []
-            for i in range(REPEATS + 1):
+            for fn in phases.values():
                 dist.barrier()
                 start = time.perf_counter()
                 fn()
-                if i:
-                    times.append(time.perf_counter() - start)
-            worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            measured[name] = float(worst.item())
+                times.append(time.perf_counter() - start)
+            worst = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank
+            rounds.append(dict(zip(phases, worst.tolist(), strict=True)))
         rows.append({"world_size": world, "fraction": str(fraction),
-                     "strategy": engine.grid.strategy_name, "measured_s": measured,
-                     "profile": profile.to_json()})
+                     "strategy": engine.grid.strategy_name, "rounds_s": rounds,
+                     "measured_s": {k: statistics.median(r[k] for r in rounds) for k in phases},
+                     "profiles": profiles})
     if rank == 0:
         Path(out).write_text(json.dumps({
             "link": {"bandwidth_Bps": net.inter.bandwidth_Bps, "latency_s": net.inter.latency_s},
-            "rows": rows}, indent=1))
+            "single_collectives_s": single, "rows": rows}, indent=1))
     dist.destroy_process_group()
 
 
@@ -211,19 +241,23 @@ def predict(res: dict[str, Any], algorithm: str) -> None:
     model, example = _mlp()
     workload = workload_from_module(model, example)
     for row in res["rows"]:
-        plan = IterationModel(workload=workload, network=net,
-                              compute=ComputeProfile.from_json(row["profile"]),
-                              config=PlanConfig(algorithm=Algorithm(algorithm)))
         world = row["world_size"]
         grid = WorkerGrid(world, int(Fraction(row["fraction"]) * world))
-        p = plan.cost(grid).phases
+        preds = []
+        for profile in row.get("profiles") or [row["profile"]]:  # older files: one profile
+            plan = IterationModel(workload=workload, network=net,
+                                  compute=ComputeProfile.from_json(profile),
+                                  config=PlanConfig(algorithm=Algorithm(algorithm)))
+            p = plan.cost(grid).phases
+            preds.append({
+                "factor allreduce": plan.factor_allreduce_seconds(world),
+                "decomposition broadcast": p["decomposition_comm"],
+                "gradient broadcast": p["gradient_comm"],
+                "decompose + broadcast": p["decomposition"] + p["decomposition_comm"],
+                "precondition + broadcast": p["precondition"] + p["gradient_comm"],
+            })
         row.setdefault("predicted_s", {})[algorithm] = {
-            "factor allreduce": plan.factor_allreduce_seconds(world),
-            "decomposition broadcast": p["decomposition_comm"],
-            "gradient broadcast": p["gradient_comm"],
-            "decompose + broadcast": p["decomposition"] + p["decomposition_comm"],
-            "precondition + broadcast": p["precondition"] + p["gradient_comm"],
-        }
+            k: statistics.median(pr[k] for pr in preds) for k in preds[0]}
 
 
 def _free_port() -> int:
@@ -239,8 +273,10 @@ def launch(world: int, *, netns: bool, tmp: Path) -> dict[str, Any]:
     procs = []
     for r in range(world):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, __file__, "--worker", str(r), "--world", str(world),
-               "--master", master, "--port", str(port), "--out", str(out)]
+        # rank r on core r mod cores: at 4 ranks two share each core, always the same two
+        cmd = ["taskset", "-c", str(r % (os.cpu_count() or 1)), sys.executable, __file__,
+               "--worker", str(r), "--world", str(world), "--master", master,
+               "--port", str(port), "--out", str(out)]
         if netns:
             env["GLOO_SOCKET_IFNAME"] = f"kp{r}"
             cmd = ["ip", "netns", "exec", f"{NS}{r}", *cmd]
@@ -274,6 +310,25 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_COMM = ("factor allreduce", "decomposition broadcast", "gradient broadcast")
+_COMPUTE = ("decompose + broadcast", "precondition + broadcast")
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    """Phases within 25% and the median absolute error, communication and compute apart."""
+    lines = ["| phases | model | within 25% | median abs. error |", "| --- | --- | --- | --- |"]
+    for kind, names in (("communication only", _COMM), ("with compute", _COMPUTE)):
+        for algorithm, label in (("gloo", "gloo"), ("auto", "NCCL-like")):
+            errors = [abs(row["predicted_s"][algorithm][n] - row["measured_s"][n])
+                      / row["measured_s"][n]
+                      for res in results for row in res["rows"] for n in names
+                      if max(row["measured_s"][n], row["predicted_s"][algorithm][n]) >= 1e-3]
+            within = sum(e <= 0.25 for e in errors)
+            lines.append(f"| {kind} | {label} | {within} / {len(errors)} | "
+                         f"{statistics.median(errors):.0%} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     sys.path.insert(0, str(ROOT))  # this checkout's kaisa, for the predictions
     ap = argparse.ArgumentParser()
@@ -295,6 +350,7 @@ def main() -> None:
                 predict(res, algorithm)
         Path(args.out).write_text(json.dumps(data, indent=1))
         print(table(data["results"]))
+        print(summary(data["results"]))
         return
     if args.worker is not None:
         worker(args.worker, args.world, args.master, args.port, args.out)
@@ -332,6 +388,7 @@ def main() -> None:
             predict(res, algorithm)
     Path(args.out).write_text(json.dumps({"netns": netns, "results": results}, indent=1))
     print(table(results))
+    print(summary(results))
 
 
 if __name__ == "__main__":

@@ -98,8 +98,12 @@ class EKFAC(torch.optim.Optimizer):
         grad_scaler: The ``torch.amp.GradScaler`` used with ``scaler.step(opt)``, or
             ``None``.
         grad_worker_fraction: KAISA's strategy (:class:`~kaisa.DistributedStrategy`, a
-            float in ``(0, 1]`` or ``'auto'`` with ``memory_budget_mb``).
+            float in ``(0, 1]`` or ``'auto'`` with ``memory_budget_mb`` and/or
+            ``cost_model``).
         memory_budget_mb: Per-rank budget of ``'auto'``.
+        cost_model: The time objective of ``'auto'`` (such as
+            :class:`kaisa.plan.FractionObjective`): the fraction it predicts fastest
+            within ``memory_budget_mb``; ``None``: the memory rule.
         assignment_strategy: Cost model for placing the refreshes.
         colocate_factors: Whether the A and G refreshes of a block share a rank.
         symmetry_aware: Send symmetric factors as triangles.
@@ -145,6 +149,7 @@ class EKFAC(torch.optim.Optimizer):
         grad_scaler: Any = None,
         grad_worker_fraction: DistributedStrategy | float | str = DistributedStrategy.COMM_OPT,
         memory_budget_mb: float | None = None,
+        cost_model: Any = None,
         assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
         colocate_factors: bool = True,
         symmetry_aware: bool = False,

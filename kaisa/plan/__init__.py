@@ -13,7 +13,7 @@ when given as :attr:`kaisa.distributed.DistributedConfig.cost_model`.
 from kaisa.plan.collectives import Algorithm, Collective, bucketed_time, collective_time, link_time
 from kaisa.plan.compute import ComputeProfile, KernelFit, fit_kernel, load_profile, microbenchmark
 from kaisa.plan.iteration import PHASES, FractionObjective, IterationModel, PlanConfig, StepCost
-from kaisa.plan.measure import measure_link, measured_network
+from kaisa.plan.measure import fit_link, measure_link, measured_network
 from kaisa.plan.network import PRESETS, Link, NetworkSpec, parse_network
 from kaisa.plan.search import Recommendation, recommend
 from kaisa.plan.workload import BlockShape, Workload, load_workload, workload_from_module
@@ -37,6 +37,7 @@ __all__ = [
     "bucketed_time",
     "collective_time",
     "fit_kernel",
+    "fit_link",
     "link_time",
     "load_profile",
     "load_workload",

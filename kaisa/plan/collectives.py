@@ -13,9 +13,12 @@ all-to-all      ``(p-1)(alpha + nbeta/p)`` (``n``: the bytes one rank sends, in 
 ==============  =================================  ===================================
 
 :attr:`Algorithm.AUTO` takes the faster of the two, as NCCL's tuner does from its own
-alpha-beta table. :attr:`Algorithm.GLOO` models gloo as the 4-rank measurements of
-``bench/distributed/plan_validation.py`` show it: ring allreduce, and broadcasts near
-``2 n beta`` at 4 ranks (a binomial tree), not a chain's ``n beta``. A single rank costs
+alpha-beta table. :attr:`Algorithm.GLOO` is gloo's choice: ring allreduce and binomial-tree
+broadcasts. Alone, gloo's 4-rank broadcast on links shaped per rank takes ``3 n beta`` (the
+root posts its two sends at once, then the second level forwards), but the engine's
+broadcasts from several roots overlap two at a time (gloo's two worker threads), which
+puts them between the chain and this serial tree (``docs/scaling.md``, "Validation
+against measurement"). A single rank costs
 nothing. Which link a group sees (inside a node, or across nodes sharing the NICs) is
 :meth:`kaisa.plan.network.NetworkSpec.group_link`.
 """

@@ -23,7 +23,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -196,10 +195,37 @@ def load_profile(path: str | Path) -> ComputeProfile:
     return _from_gpu_script(data, str(path))
 
 
-def _best_time(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
-    """The median of ``repeats`` timed calls after a warm-up (the median keeps contention)."""
+#: Operands a kernel is timed on are cycled through copies totalling at least this many
+#: bytes (beyond a last-level cache), so each call meets its operands cold, as a step
+#: that runs every block's kernel once does.
+_COLD_BYTES = 64 * 1024 * 1024
+_MAX_COPIES = 64
+
+
+def _cold(fn: Callable[..., object], *operands: torch.Tensor) -> Callable[[], object]:
+    """``fn`` on the next of enough copies of ``operands`` to exceed :data:`_COLD_BYTES`."""
+    nbytes = sum(t.numel() * t.element_size() for t in operands)
+    count = min(_MAX_COPIES, max(1, -(-_COLD_BYTES // max(nbytes, 1))))
+    copies = itertools.cycle([operands] + [tuple(t.clone() for t in operands)
+                                           for _ in range(count - 1)])
+    return lambda: fn(*next(copies))
+
+
+def _best_time(fn: Callable[[], object], sync: Callable[[], None], repeats: int,
+               shared: bool = False) -> float:
+    """Seconds of one call after a warm-up.
+
+    The median of ``repeats`` timed calls; with ``shared``, the mean of ``repeats``
+    back-to-back calls timed as one block.
+    """
     fn()
     sync()
+    if shared:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / repeats
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -210,7 +236,7 @@ def _best_time(fn: Callable[[], object], sync: Callable[[], None], repeats: int)
 
 
 def microbenchmark(device: str | torch.device = "cpu", *, quick: bool = True,
-                   repeats: int = 5) -> ComputeProfile:
+                   repeats: int = 5, shared: bool = False) -> ComputeProfile:
     """Times kaisa's three kernels at a few sizes on ``device`` and fits them.
 
     The kernels are the ones a step runs: :func:`kaisa.ops.covariance`,
@@ -221,6 +247,10 @@ def microbenchmark(device: str | torch.device = "cpu", *, quick: bool = True,
         device: Where to time.
         quick: Small sizes only (about a second on a CPU core).
         repeats: Timed calls per size (the median is kept).
+        shared: Time the calls back to back as one block and keep their mean: on a
+            CPU that runs more processes than it has cores, the calls that the
+            scheduler preempts are then in the rate (a median keeps the ones that ran
+            alone). For ranks that share the device, all calling at once.
 
     Returns:
         The fitted profile.
@@ -243,13 +273,15 @@ def microbenchmark(device: str | torch.device = "cpu", *, quick: bool = True,
         q, d = eigen.eigenvectors, eigen.eigenvalues
         g = torch.randn(1, n, n, generator=gen).to(dev)
         dgda = 1.0 / (d.unsqueeze(-1) * d.unsqueeze(-2) + 1e-3)
-        cov.append((2.0 * rows * n * n,
-                    _best_time(partial(ops.covariance, x, 1.0 / rows), sync, repeats)))
-        pre.append((8.0 * n**3, _best_time(partial(ops.eigen_precondition, g, q, q, dgda=dgda),
-                                            sync, repeats)))
+        cov.append((2.0 * rows * n * n, _best_time(
+            _cold(lambda m: ops.covariance(m, 1.0 / rows), x),  # noqa: B023 (called here)
+            sync, repeats, shared)))
+        pre.append((8.0 * n**3, _best_time(
+            _cold(lambda g, q, dgda: ops.eigen_precondition(g, q, q, dgda=dgda), g, q, dgda),
+            sync, repeats, shared)))
         eig.append((float(n) ** 3, _best_time(
-            partial(linalg.eigen_decompositions, [s.unsqueeze(0)], inv_dtype=torch.float32),
-            sync, repeats)))
+            _cold(lambda m: linalg.eigen_decompositions([m], inv_dtype=torch.float32),
+                  s.unsqueeze(0)), sync, repeats, shared)))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} "
     name += f"({torch.get_num_threads()} threads)" if dev.type == "cpu" else ""
     return ComputeProfile(device=name.strip(), source="microbenchmark",

@@ -9,23 +9,62 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from kaisa.plan.compute import fit_kernel
 from kaisa.plan.network import Link, NetworkSpec
 
-__all__ = ["measure_link", "measured_network"]
+__all__ = ["fit_link", "measure_link", "measured_network"]
+
+
+def fit_link(samples: Sequence[tuple[float, float]], world_size: int) -> Link:
+    """Fits alpha and beta of a ring allreduce to ``(bytes, seconds)`` samples.
+
+    A ring allreduce of ``n`` bytes over ``p`` ranks takes ``2(p-1) alpha + 2(p-1)/p n
+    beta``. The slope of the least-squares line through the samples (absolute error, so
+    the largest messages set it) gives ``beta``; its intercept gives ``alpha``, or, where
+    noise makes the intercept negative, the smallest message's time less its bytes'
+    share. A relative-error fit would let a slow small message (a connection still
+    warming up) tilt the line and overstate the bandwidth.
+
+    Args:
+        samples: At least two ``(bytes, seconds)`` pairs of different sizes.
+        world_size: The ranks of the allreduces (at least 2).
+
+    Returns:
+        The link.
+
+    Raises:
+        ValueError: With fewer than two sizes, one rank, or times that do not grow with size.
+    """
+    p = world_size
+    if p < 2:
+        raise ValueError("a link is fitted to allreduces of at least two ranks")
+    if len({n for n, _ in samples}) < 2:
+        raise ValueError("fit_link needs samples of at least two message sizes")
+    k = len(samples)
+    mx = sum(n for n, _ in samples) / k
+    my = sum(t for _, t in samples) / k
+    sxx = sum((n - mx) ** 2 for n, _ in samples)
+    slope = sum((n - mx) * (t - my) for n, t in samples) / sxx
+    if slope <= 0:
+        raise ValueError(f"allreduce times do not grow with the message size: {samples}")
+    intercept = my - slope * mx
+    if intercept < 0:
+        n0, t0 = min(samples)
+        intercept = max(0.0, t0 - slope * n0)
+    return Link(bandwidth_Bps=2 * (p - 1) / (p * slope), latency_s=intercept / (2 * (p - 1)))
 
 
 def measure_link(*, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),
-                 repeats: int = 5, device: str | torch.device = "cpu") -> Link:
+                 repeats: int = 5, warmup: int = 3,
+                 device: str | torch.device = "cpu") -> Link:
     """Fits one alpha-beta link to ring allreduces of the world group (every rank calls it).
 
-    A ring allreduce of ``n`` bytes over ``p`` ranks takes ``2(p-1) alpha + 2(p-1)/p n
-    beta``; the line ``t = c0 + c1 n`` through the median times gives ``alpha = c0 /
-    (2(p-1))`` and ``beta = c1 p / (2(p-1))``.
+    Each size is allreduced ``warmup`` times untimed, then ``repeats`` times after a
+    barrier each; the median, averaged over ranks, is one sample of :func:`fit_link`.
 
     Args:
-        sizes: Message sizes in bytes.
+        sizes: Message sizes in bytes (at least two).
         repeats: Timed allreduces per size (the median is kept).
+        warmup: Untimed allreduces per size before them.
         device: Where the buffers live (CUDA for NCCL).
 
     Returns:
@@ -37,20 +76,20 @@ def measure_link(*, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),
     samples = []
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-        dist.all_reduce(buf)  # warm the connection
+        for _ in range(warmup):
+            dist.all_reduce(buf)
         times = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(buf)
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)
             times.append(time.perf_counter() - start)
         median = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         dist.all_reduce(median)
         samples.append((float(buf.numel() * 4), float(median.item()) / p))
-    fit = fit_kernel(samples)
-    alpha = fit.overhead_s / (2 * (p - 1))
-    beta = p / (2 * (p - 1) * fit.rate)
-    return Link(bandwidth_Bps=1.0 / beta, latency_s=alpha)
+    return fit_link(samples, p)
 
 
 def measured_network(**kwargs: object) -> NetworkSpec:
