@@ -10,7 +10,7 @@ issue). Without namespaces (not root, no ``ip``), ``--loopback`` runs the ranks 
 
 For every valid fraction at 2 and 4 ranks, a 5-layer MLP's blocks (factors and gradients
 set, as the engine's unit tests do) go through the engine's three distributed phases
-(rank ``r`` pinned to core ``r mod cores``). After a warm-up, each of 7 rounds measures
+(rank ``r`` pinned to core ``r mod cores``). After a warm-up, each of 7 rounds (``--rounds``) measures
 the kernels (:func:`kaisa.plan.microbenchmark`, every rank at once, ``shared``) and then
 times every phase once on every rank; a phase's time is the median over the rounds of
 the slowest rank's, and its prediction the median of the rounds' predictions:
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "plan_validation.json"
 NS, BRIDGE, SUBNET = "kplan", "br-kplan", "10.77.0."
 WIDTHS = [256, 384, 256, 256, 128, 10]
-ROWS, DAMPING, ROUNDS = 64, 0.01, 7
+ROWS, DAMPING = 64, 0.01
 
 
 def _sh(cmd: str) -> None:
@@ -161,7 +161,7 @@ def _single_collectives(rank: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def worker(rank: int, world: int, master: str, port: int, out: str) -> None:
+def worker(rank: int, world: int, master: str, port: int, out: str, rounds: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -199,8 +199,8 @@ def worker(rank: int, world: int, master: str, port: int, out: str) -> None:
             fn()
         # The load of this shared machine drifts: each round measures the kernels again
         # (every rank at once, back to back, as the phases run) and then every phase once.
-        profiles, rounds = [], []
-        for _ in range(ROUNDS):
+        profiles, timed = [], []
+        for _ in range(rounds):
             dist.barrier()
             profiles.append(microbenchmark("cpu", quick=True, repeats=5, shared=True).to_json())
             times = []
@@ -211,10 +211,10 @@ def worker(rank: int, world: int, master: str, port: int, out: str) -> None:
                 times.append(time.perf_counter() - start)
             worst = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank
-            rounds.append(dict(zip(phases, worst.tolist(), strict=True)))
+            timed.append(dict(zip(phases, worst.tolist(), strict=True)))
         rows.append({"world_size": world, "fraction": str(fraction),
-                     "strategy": engine.grid.strategy_name, "rounds_s": rounds,
-                     "measured_s": {k: statistics.median(r[k] for r in rounds) for k in phases},
+                     "strategy": engine.grid.strategy_name, "rounds_s": timed,
+                     "measured_s": {k: statistics.median(r[k] for r in timed) for k in phases},
                      "profiles": profiles})
     if rank == 0:
         Path(out).write_text(json.dumps({
@@ -266,7 +266,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(world: int, *, netns: bool, tmp: Path) -> dict[str, Any]:
+def launch(world: int, *, netns: bool, tmp: Path, rounds: int) -> dict[str, Any]:
     port = _free_port()
     master = f"{SUBNET}1" if netns else "127.0.0.1"
     out = tmp / f"rank0-{world}-{port}.json"
@@ -276,6 +276,7 @@ def launch(world: int, *, netns: bool, tmp: Path) -> dict[str, Any]:
         # rank r on core r mod cores: at 4 ranks two share each core, always the same two
         cmd = ["taskset", "-c", str(r % (os.cpu_count() or 1)), sys.executable, __file__,
                "--worker", str(r), "--world", str(world), "--master", master,
+               "--rounds", str(rounds),
                "--port", str(port), "--out", str(out)]
         if netns:
             env["GLOO_SOCKET_IFNAME"] = f"kp{r}"
@@ -340,6 +341,8 @@ def main() -> None:
     ap.add_argument("--rates", default="1gbit,200mbit")
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--loopback", action="store_true")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="calibration + measurement rounds per fraction (the median is kept)")
     ap.add_argument("--recompute", action="store_true",
                     help="recompute the predictions of --out from its measurements")
     args = ap.parse_args()
@@ -353,7 +356,7 @@ def main() -> None:
         print(summary(data["results"]))
         return
     if args.worker is not None:
-        worker(args.worker, args.world, args.master, args.port, args.out)
+        worker(args.worker, args.world, args.master, args.port, args.out, args.rounds)
         return
     worlds = [int(w) for w in args.worlds.split(",")]
     netns = not args.loopback
@@ -373,7 +376,7 @@ def main() -> None:
                 shape(max(worlds), setting)
             for world in worlds:
                 t0 = time.perf_counter()
-                res = launch(world, netns=netns, tmp=tmp)
+                res = launch(world, netns=netns, tmp=tmp, rounds=args.rounds)
                 res["setting"] = f"tbf {setting}" if netns else "loopback"
                 res["world_size"] = world
                 results.append(res)

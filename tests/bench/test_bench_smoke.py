@@ -132,3 +132,32 @@ def test_jvp_linearize_smoke(tmp_path: Path) -> None:
         assert set(entry["projected_kfac_step_saving"]) == {"func_linearize",
                                                             "cached_linear_map", "vmap_jvp"}
         assert entry["float64_func_linearize_vs_today_relative"] < 1e-12
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_plan_validation_smoke(tmp_path: Path) -> None:
+    """bench/distributed/plan_validation.py --loopback: 2 gloo ranks, every phase measured and predicted."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan_validation.json"
+    script = Path(__file__).resolve().parents[2] / "bench" / "distributed" / "plan_validation.py"
+    run = subprocess.run([sys.executable, str(script), "--loopback", "--worlds", "2",
+                          "--rounds", "2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["netns"] is False
+    (res,) = data["results"]
+    assert res["setting"] == "loopback" and res["world_size"] == 2
+    assert res["link"]["bandwidth_Bps"] > 0 and res["link"]["latency_s"] >= 0
+    assert set(res["single_collectives_s"]) == {"allreduce", "broadcast"}
+    assert [row["fraction"] for row in res["rows"]] == ["1", "1/2"]
+    for row in res["rows"]:
+        assert len(row["rounds_s"]) == len(row["profiles"]) == 2
+        phases = set(row["measured_s"])
+        assert phases == set(row["predicted_s"]["gloo"]) == set(row["predicted_s"]["auto"])
+        assert row["measured_s"]["factor allreduce"] > 0
+        assert row["predicted_s"]["auto"]["decompose + broadcast"] > 0
+    assert "| communication only | gloo |" in run.stdout
