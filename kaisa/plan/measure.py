@@ -22,7 +22,10 @@ def fit_link(samples: Sequence[tuple[float, float]], world_size: int) -> Link:
     the largest messages set it) gives ``beta``; its intercept gives ``alpha``, or, where
     noise makes the intercept negative, the smallest message's time less its bytes'
     share. A relative-error fit would let a slow small message (a connection still
-    warming up) tilt the line and overstate the bandwidth.
+    warming up) tilt the line and overstate the bandwidth. Where the times do not grow
+    with the size at all (a link so fast that noise hides the per-byte cost, as on
+    loopback with small messages), the largest message's time is all counted as
+    transfer: a bandwidth that is a lower bound, and alpha 0.
 
     Args:
         samples: At least two ``(bytes, seconds)`` pairs of different sizes.
@@ -32,7 +35,7 @@ def fit_link(samples: Sequence[tuple[float, float]], world_size: int) -> Link:
         The link.
 
     Raises:
-        ValueError: With fewer than two sizes, one rank, or times that do not grow with size.
+        ValueError: With fewer than two sizes or one rank.
     """
     p = world_size
     if p < 2:
@@ -45,8 +48,10 @@ def fit_link(samples: Sequence[tuple[float, float]], world_size: int) -> Link:
     sxx = sum((n - mx) ** 2 for n, _ in samples)
     slope = sum((n - mx) * (t - my) for n, t in samples) / sxx
     if slope <= 0:
-        raise ValueError(f"allreduce times do not grow with the message size: {samples}")
-    intercept = my - slope * mx
+        n1, t1 = max(samples)
+        slope, intercept = t1 / n1, 0.0
+    else:
+        intercept = my - slope * mx
     if intercept < 0:
         n0, t0 = min(samples)
         intercept = max(0.0, t0 - slope * n0)
