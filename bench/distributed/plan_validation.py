@@ -10,10 +10,11 @@ issue). Without namespaces (not root, no ``ip``), ``--loopback`` runs the ranks 
 
 For every valid fraction at 2 and 4 ranks, a 5-layer MLP's blocks (factors and gradients
 set, as the engine's unit tests do) go through the engine's three distributed phases
-(rank ``r`` pinned to core ``r mod cores``). After a warm-up, each of 7 rounds (``--rounds``) measures
-the kernels (:func:`kaisa.plan.microbenchmark`, every rank at once, ``shared``) and then
-times every phase once on every rank; a phase's time is the median over the rounds of
-the slowest rank's, and its prediction the median of the rounds' predictions:
+(rank ``r`` pinned to core ``r mod cores``). After a warm-up, each of 7 rounds
+(``--rounds``) measures the kernels (:func:`kaisa.plan.microbenchmark`, every rank at
+once, ``shared``) and then times every phase once on every rank; a phase's time is the
+median over the rounds of the slowest rank's, and its prediction the median of the
+rounds' predictions:
 
 * ``factor allreduce``: every A and G through the communicator's fused allreduce;
 * ``decomposition broadcast`` and ``gradient broadcast``: the engine's broadcasts (its
