@@ -139,7 +139,7 @@ def _phases(engine, blocks, grads, method, rank, world):  # type: ignore[no-unty
             "precondition + broadcast": lambda: engine.precondition(grads, DAMPING)}
 
 
-def _single_collectives(rank: int) -> dict[str, dict[str, float]]:
+def _single_collectives() -> dict[str, dict[str, float]]:
     """One allreduce, and one broadcast from rank 0, alone: the slowest rank's median of 5."""
     import torch
     import torch.distributed as dist
@@ -176,7 +176,7 @@ def worker(rank: int, world: int, master: str, port: int, out: str, rounds: int)
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=world)
     net = measured_network(sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeats=3)
-    single = _single_collectives(rank)
+    single = _single_collectives()
     model, _ = _mlp()
     method = make_method(ComputeMethod.EIGEN)
     blocks = register_blocks(model)
@@ -245,7 +245,7 @@ def predict(res: dict[str, Any], algorithm: str) -> None:
         world = row["world_size"]
         grid = WorkerGrid(world, int(Fraction(row["fraction"]) * world))
         preds = []
-        for profile in row.get("profiles") or [row["profile"]]:  # older files: one profile
+        for profile in row["profiles"]:
             plan = IterationModel(workload=workload, network=net,
                                   compute=ComputeProfile.from_json(profile),
                                   config=PlanConfig(algorithm=Algorithm(algorithm)))
