@@ -11,8 +11,14 @@
 #   * a CUDA call fails with a catchable error ("no driver"), not an abort,
 #   * nvcc emitted PTX (the default TORCH_CUDA_ARCH_LIST ends in +PTX).
 #
-# Cached between runs (when the cache directory survives): the CUDA venv with
-# its ~5 GB of wheels, keyed by the torch pin. The build itself always runs.
+# Cached between runs (when the cache directory survives):
+#   * the CUDA venv with its ~5 GB of wheels, keyed by the torch pin;
+#   * the built extension (kaisa/_C.so and the lines of its build log checked
+#     below), keyed by the hash of everything its build reads: csrc/, setup.py,
+#     pyproject.toml, nvcc's and torch's versions, the build's environment
+#     variables. With a hit the package is installed without compiling
+#     (KAISA_NO_EXT=1) and the cached library is put in it: the load checks
+#     below run on it all the same. KAISA_CI_REBUILD=1 ignores the cache.
 #
 # Usage: .ci/cuda_build.sh
 # Environment:
@@ -65,21 +71,52 @@ LOG="$SRC.log"
 trap 'rm -rf "$SRC" "$LOG"' EXIT
 tar -C "$ROOT" --exclude=./.git --exclude=./.venv --exclude=./build --exclude='*.so' -cf - . |
   tar -C "$SRC" -xf -
+KEY="$(
+  cd "$SRC"
+  find csrc setup.py pyproject.toml -type f -print0 | sort -z | xargs -0 sha256sum
+  nvcc --version
+  "$VENV/bin/python" -c 'import sys, torch; print(sys.version, torch.__version__, torch.version.cuda)'
+  env | grep -E '^(TORCH_CUDA_ARCH_LIST|CUDA_HOME|CC|CXX|CFLAGS|CXXFLAGS|LDFLAGS|NVCC_FLAGS)=' | sort || true
+)"
+KEY="$(printf '%s' "$KEY" | sha256sum | cut -c1-24)"
+ENTRY="$CACHE/cuda-ext/$KEY"
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')"
 t0=$(date +%s)
-if ! (cd "$SRC" && "$VENV/bin/python" -m pip install -v --no-build-isolation --no-deps . >"$LOG" 2>&1); then
-  tail -n 80 "$LOG" >&2
-  echo "cuda_build: FAILED to build kaisa against the CUDA torch" >&2
-  exit 1
+FROM="cuda_build: "
+if [[ "${KAISA_CI_REBUILD:-0}" != 1 && -f "$ENTRY/build-lines.txt" ]] && compgen -G "$ENTRY/_C*.so" >/dev/null; then
+  echo "cuda_build: the extension of these inputs is cached ($ENTRY): installing without compiling"
+  if ! (cd "$SRC" && KAISA_NO_EXT=1 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps . >"$LOG" 2>&1); then
+    tail -n 80 "$LOG" >&2
+    echo "cuda_build: FAILED to install kaisa (without the extension) into the CUDA venv" >&2
+    exit 1
+  fi
+  rm -f "$SITE"/kaisa/_C*.so
+  cp "$ENTRY"/_C*.so "$SITE/kaisa/"
+  cp "$ENTRY/build-lines.txt" "$LOG"
+  FROM="cuda_build: (its build log) "
+  touch "$ENTRY"  # most recently used
+else
+  if ! (cd "$SRC" && "$VENV/bin/python" -m pip install -v --no-build-isolation --no-deps . >"$LOG" 2>&1); then
+    tail -n 80 "$LOG" >&2
+    echo "cuda_build: FAILED to build kaisa against the CUDA torch" >&2
+    exit 1
+  fi
+  rm -rf "$ENTRY"
+  mkdir -p "$ENTRY"
+  cp "$SITE"/kaisa/_C*.so "$ENTRY/"
+  grep -E "kaisa: building|CUDA library headers|code=compute_" "$LOG" > "$ENTRY/build-lines.txt" || true
+  # keep the 3 most recently used entries
+  ls -1dt "$CACHE"/cuda-ext/*/ | tail -n +4 | xargs -r rm -rf
 fi
 build_s=$(($(date +%s) - t0))
-grep -m1 "kaisa: building" "$LOG" | sed 's/^ */cuda_build: /'
-grep -m1 "CUDA library headers" "$LOG" | sed 's/^ */cuda_build: /' || true
+grep -m1 "kaisa: building" "$LOG" | sed "s/^ */$FROM/"
+grep -m1 "CUDA library headers" "$LOG" | sed "s/^ */$FROM/" || true
 if ! grep -q "code=compute_" "$LOG"; then
   echo "cuda_build: nvcc was not asked to emit PTX (no code=compute_XX)" >&2
   exit 1
 fi
 echo "cuda_build: PTX emitted for $(grep -o 'code=compute_[0-9]*' "$LOG" | sort -u | tr '\n' ' ')"
-echo "cuda_build: extension built in ${build_s}s"
+echo "cuda_build: extension ready in ${build_s}s"
 
 # --------------------------------------------------- load it and check it --
 RUN_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kaisa-cuda-run.XXXXXX")"

@@ -15,6 +15,7 @@ over the corpus): evaluation, checkpoints and ``--resume`` happen at those bound
 from __future__ import annotations
 
 import argparse
+import os
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,10 +41,14 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     """The standard library's ``.py`` files, sorted by their path relative to ``root``."""
     base = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
     found = []
-    for path in base.rglob("*.py"):
-        relative = path.relative_to(base)
-        if path.is_file() and not EXCLUDED_DIRS.intersection(relative.parts[:-1]):
-            found.append(relative.as_posix())
+    # os.walk, pruned: excluded directories (site-packages above all) are not descended
+    # into; symbolic links to directories are not followed.
+    for directory, subdirectories, names in os.walk(base):
+        subdirectories[:] = [d for d in subdirectories if d not in EXCLUDED_DIRS]
+        relative = Path(directory).relative_to(base)
+        for name in names:
+            if name.endswith(".py") and (Path(directory) / name).is_file():
+                found.append((relative / name).as_posix())
     return [base / name for name in sorted(found)]
 
 

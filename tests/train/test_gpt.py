@@ -2,9 +2,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ from kaisa.train.cli import main
 from kaisa.train.models import build_model
 from kaisa.train.models.gpt import gpt
 from tests.support.bench import load_bench
+from tests.support.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,19 +162,14 @@ def test_lm_resume_under_torchrun_is_bit_identical(tmp_path: Path, fraction: str
     """2 processes: 3 steps, --resume, 3 more equal 6 steps (checkpoints and metrics) for
     AdamW + KFACPreconditioner and kaisa.KFAC (Monte-Carlo curvature), resuming between
     two decomposition updates (every 4 steps) and two damping adaptations (every 5)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KAISA_BACKEND": "torch"}
     configs = ("adamw+kfac", "kfac")
     common = ["--compare", ",".join(configs), "--steps-per-epoch", "3",
               "--kfac-inv-update-steps", "4", "--kfac-damping-interval", "5",
               "--kfac-grad-worker-fraction", fraction]
     for name, extra in (("split", ["--epochs", "1"]), ("split", ["--epochs", "2", "--resume"]),
                         ("whole", ["--epochs", "2"])):
-        command = [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "kaisa.train",
-                   *_lm_args(tmp_path, *common, "--name", name, *extra)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env,
-                                cwd=ROOT)
-        assert result.returncode == 0, result.stderr[-3000:]
+        torchrun(2, _lm_args(tmp_path, *common, "--name", name, *extra),
+                 log_dir=tmp_path / "stderr", timeout=200, cwd=ROOT)
     for config in configs:
         split = torch.load(tmp_path / "split" / f"checkpoint-{config}.pt", weights_only=True)
         whole = torch.load(tmp_path / "whole" / f"checkpoint-{config}.pt", weights_only=True)

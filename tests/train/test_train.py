@@ -12,6 +12,7 @@ import torch
 from kaisa.train import data
 from kaisa.train.cli import main
 from kaisa.train.optim import lr_factor
+from tests.support.torchrun import torchrun
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:
@@ -235,12 +236,9 @@ def test_every_preconditioner_argument_has_a_flag() -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_two_processes(tmp_path: Path) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "kaisa.train"]
-    command += _args(tmp_path, "--name", "ddp", "--compare", "sgd,sgd+kfac,kfac", "--no-plot")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KAISA_BACKEND": "torch"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(
+        2, _args(tmp_path, "--name", "ddp", "--compare", "sgd,sgd+kfac,kfac", "--no-plot"),
+        log_dir=tmp_path / "stderr", timeout=300)
     records = _records(tmp_path / "ddp" / "metrics.jsonl")
     assert [(r["config"], r["epoch"]) for r in records] == [
         ("sgd", 0),
@@ -259,15 +257,11 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
 def test_torchrun_three_processes_resume_is_bit_identical(tmp_path: Path) -> None:
     """At world 3 the gloo ring's rounding depends on DDP's bucket layout, which a fresh DDP
     (the first step after --resume) lays out differently; the app's ordered allreduce does not."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KAISA_BACKEND": "torch"}
     common = ["--no-plot", "--compare", "sgd,sgd+kfac"]
     for name, extra in (("split", ["--epochs", "1"]), ("split", ["--epochs", "2", "--resume"]),
                         ("whole", ["--epochs", "2"])):
-        command = [str(torchrun), "--standalone", "--nproc_per_node=3", "-m", "kaisa.train"]
-        command += _args(tmp_path, *common, "--name", name, *extra)
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-        assert result.returncode == 0, result.stderr[-3000:]
+        torchrun(3, _args(tmp_path, *common, "--name", name, *extra),
+                 log_dir=tmp_path / "stderr", timeout=300)
     for config in ("sgd", "sgd+kfac"):
         split = torch.load(tmp_path / "split" / f"checkpoint-{config}.pt", weights_only=True)
         whole = torch.load(tmp_path / "whole" / f"checkpoint-{config}.pt", weights_only=True)
