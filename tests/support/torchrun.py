@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -45,15 +47,22 @@ def torchrun(
                f"--nproc_per_node={ranks}", "-m", "kaisa.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KAISA_BACKEND": "torch"}
     log_dir.mkdir(parents=True, exist_ok=True)
-    for attempt in (1, 2):
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                env=env, cwd=cwd)
-        log = log_dir / f"torchrun-{len(list(log_dir.glob('torchrun-*.stderr')))}.stderr"
-        log.write_text(result.stderr)
-        if result.returncode == 0 or attempt == 2 or not _gloo_connect_abort(result.stderr):
-            break
-        warnings.warn(f"gloo aborted a rank while connecting (pytorch/gloo#514; {log}): "
-                      "launched once more", stacklevel=2)
+    run_dir = Path(args[args.index("--run-dir") + 1]) if "--run-dir" in args else None
+    with tempfile.TemporaryDirectory() as saved:
+        if run_dir is not None and run_dir.is_dir():  # what the launch starts from
+            shutil.copytree(run_dir, Path(saved) / "run", dirs_exist_ok=True,
+                            ignore=lambda d, names: [n for n in names if Path(d, n) == log_dir])
+        for attempt in (1, 2):
+            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                    env=env, cwd=cwd)
+            log = log_dir / f"torchrun-{len(list(log_dir.glob('torchrun-*.stderr')))}.stderr"
+            log.write_text(result.stderr)
+            if result.returncode == 0 or attempt == 2 or not _gloo_connect_abort(result.stderr):
+                break
+            warnings.warn(f"gloo aborted a rank while connecting (pytorch/gloo#514; {log}): "
+                          "launched once more, from the run folder as it was", stacklevel=2)
+            if run_dir is not None and run_dir.is_dir():
+                _restore(run_dir, Path(saved) / "run", keep=log_dir)
     if result.returncode != 0:
         lines = result.stderr.splitlines()
         errors = [line for line in lines if _ERROR.search(line)]
@@ -76,3 +85,17 @@ def _gloo_connect_abort(stderr: str) -> bool:
     blocks = stderr.split("Traceback (most recent call last):")[1:]
     return all("Connection closed by peer" in block or "Connection reset by peer" in block
                or "ChildFailedError" in block for block in blocks)
+
+
+def _restore(run_dir: Path, saved: Path, *, keep: Path) -> None:
+    """Puts ``run_dir`` back as ``saved`` holds it (a crashed launch may have written run
+    files, a checkpoint or a lock the relaunch would refuse), leaving ``keep`` alone."""
+    for entry in run_dir.iterdir():
+        if entry == keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    if saved.exists():
+        shutil.copytree(saved, run_dir, dirs_exist_ok=True)
