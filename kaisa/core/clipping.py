@@ -13,10 +13,12 @@ from collections.abc import Sequence
 import torch
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
+from kaisa.core.grouped import BlockGroup, GroupedDirections
 from kaisa.utils.finite import all_finite
 from kaisa.utils.shards import is_sharded, rows_of
 
-__all__ = ["guarded_directions", "parameter_directions", "write_preconditioned"]
+__all__ = ["guarded_directions", "parameter_directions", "write_directions",
+           "write_preconditioned"]
 
 
 def guarded_directions(
@@ -34,6 +36,23 @@ def guarded_directions(
     """
     if not pairs:
         return []
+    checks = _checks(pairs, kl_clip)
+    nu = None
+    if kl_clip is not None:
+        device = checks[0][1].device
+        terms = [torch.where(ok, t, torch.zeros_like(t)).to(device)
+                 for t, ok in checks if t is not None]
+        nu = _nu(torch.stack(terms).to(torch.float64).sum(), kl_clip, lr)
+    return _apply(pairs, checks, nu)
+
+
+def _checks(pairs: Sequence[Preconditioned], kl_clip: float | None,
+            ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """Per entry: ``(<P, grad>, usable)``.
+
+    The KL inner product is float64 (``None`` without a clip); usable means finite, and
+    sent if it was received.
+    """
     checks: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     for entry in pairs:
         g, p, valid = entry.grad, entry.direction, entry.valid
@@ -43,23 +62,88 @@ def guarded_directions(
             t = (p * g).sum(dtype=torch.float64) if entry.inner is None else entry.inner
             ok = ok & torch.isfinite(t)
         checks.append((t, ok if valid is None else ok & valid))
-    nu: torch.Tensor | None = None
-    if kl_clip is not None:
-        device = checks[0][1].device
-        terms = [
-            torch.where(ok, t, torch.zeros_like(t)).to(device)
-            for t, ok in checks
-            if t is not None
-        ]
-        vg = torch.stack(terms).to(torch.float64).sum() * (lr * lr)
-        ratio = torch.sqrt(kl_clip / vg.abs())
-        nu = torch.where(vg == 0, torch.ones_like(vg), ratio.clamp(max=1.0))
+    return checks
+
+
+def _nu(total: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
+    """The KL clip's scale ``min(1, sqrt(kl_clip / |lr^2 total|))``, 1 where ``total`` is 0.
+
+    As ``rsqrt(|total| lr^2 / kl_clip)`` clamped at 1: ``rsqrt(0)`` is infinite, so the
+    zero case needs no branch of its own (``kl_clip > 0``); four operator calls.
+    """
+    return (total.abs() * (lr * lr / kl_clip)).rsqrt().clamp(max=1.0)
+
+
+def _apply(pairs: Sequence[Preconditioned],
+           checks: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
+           nu: torch.Tensor | None) -> list[tuple[CurvatureBlock, torch.Tensor]]:
     out = []
     for entry, (_, ok) in zip(pairs, checks, strict=True):
         p = entry.direction
         scaled = p if nu is None else p * nu.to(p.device, p.dtype)
         out.append((entry.block, torch.where(ok, scaled, entry.grad)))
     return out
+
+
+def write_directions(directions: GroupedDirections, *, kl_clip: float | None,
+                     lr: float) -> None:
+    """:func:`write_preconditioned` of a grouped step (:mod:`kaisa.core.grouped`).
+
+    The same directions as the per-block path (the KL sum's order aside): per block, ``P``
+    KL-clipped where it is finite, else its gradient. A group's blocks are checked on its
+    stacks (with a clip, ``<P, grad>`` is finite exactly when ``P`` and ``grad`` are, so that
+    one check serves), the scaling is one multi-tensor call, and every grouped ``.grad`` is
+    written by one more.
+    """
+    groups, single = directions.groups, directions.single
+    if not groups:
+        write_preconditioned(single, kl_clip=kl_clip, lr=lr)
+        return
+    checks = _checks(single, kl_clip)
+    grads = [g for _, g, _ in groups]
+    precond = [p for _, _, p in groups]
+    if kl_clip is not None:
+        products = torch._foreach_mul(precond, grads)
+        inner = torch.cat([_per_block(x, group).sum(dim=(1, 2), keepdim=True,
+                                                     dtype=torch.float64)
+                           for x, (group, _, _) in zip(products, groups, strict=True)])
+        ok_all = (inner * 0) == 0  # isfinite in two calls (inf * 0 and NaN * 0 are NaN)
+        total = inner.nan_to_num(0.0, 0.0, 0.0).sum()  # the finite terms
+        if checks:
+            total = total + torch.stack([torch.where(ok, t, torch.zeros_like(t)).to(total.device)
+                                         for t, ok in checks if t is not None]).sum()
+        nu = _nu(total, kl_clip, lr)
+        oks = (list(torch.split(ok_all, [len(g.blocks) for g, _, _ in groups]))
+               if len(groups) > 1 else [ok_all])
+        by_dtype = {p.dtype: nu.to(p.device, p.dtype) for p in precond[:1]}
+        for p in precond:
+            if p.dtype not in by_dtype:
+                by_dtype[p.dtype] = nu.to(p.device, p.dtype)
+        if len(by_dtype) == 1:
+            precond = list(torch._foreach_mul(precond, next(iter(by_dtype.values()))))
+        else:
+            precond = [p * by_dtype[p.dtype] for p in precond]
+    else:
+        nu = None
+        oks = [torch.isfinite(_per_block(p, group)).all(dim=(1, 2), keepdim=True)
+               for p, (group, _, _) in zip(precond, groups, strict=True)]
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for (group, g, _), p, ok in zip(groups, precond, oks, strict=True):
+        n = group.blocks[0].groups
+        direction = torch.where(ok if n == 1 else ok.repeat_interleave(n, 0), p, g)
+        d, s = group.destinations(direction)
+        dst += d
+        src += s
+    torch._foreach_copy_(dst, src)
+    for block, direction in _apply(single, checks, nu):
+        block.write_grad(direction)
+
+
+def _per_block(x: torch.Tensor, group: BlockGroup) -> torch.Tensor:
+    """A group's ``(blocks * groups, m, n)`` stack as ``(blocks, groups * m, n)``."""
+    n = group.blocks[0].groups
+    return x if n == 1 else x.view(len(group.blocks), -1, x.shape[-1])
 
 
 def write_preconditioned(

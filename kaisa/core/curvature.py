@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from fractions import Fraction
 from typing import Any
@@ -42,6 +42,7 @@ from kaisa.blocks.attention import undecided_attention
 from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_factor_updates
 from kaisa.core.config import KFACConfig
 from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
+from kaisa.core.grouped import BlockGroup, GroupedDirections, eligible, group_blocks
 from kaisa.core.hooks import StatisticsRecorder
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.distributed.agreement import check_same_on_ranks
@@ -141,6 +142,7 @@ class KFACCurvature:
         self._model, self._config = model, config
         self._row_options = (factor_rows, row_generator, max_dense_dim)
         self._cross: set[int] = set()
+        self._groups: dict[tuple[object, ...], list[BlockGroup]] = {}
         self._probes = {
             id(m): m.register_forward_pre_hook(self._probe, with_kwargs=True, prepend=True)
             for m in undecided_attention(blocks)
@@ -339,27 +341,63 @@ class KFACCurvature:
             One entry per block with a gradient and a result, in model order.
         """
         with self.timed("preconditioning"):
-            out: list[Preconditioned] = []
-            rule = self._engine.preconditioning(damping)
-            for names in rounds(self._blocks):  # all at once, or one block at a time (FSDP2)
-                matrices, local = {}, {}
-                for name in names:
-                    block = self._blocks[name]
-                    if block.sharded():  # its workers precondition it, each rank gets its rows
-                        out += self._engine.sharded(block, rule if not block.diagonal else (
-                            lambda b, m: b.precondition_diagonal(m, damping)), grads)
-                        continue
-                    matrix = block.gradient_matrix(_own(block, grads))
-                    if matrix is None:
-                        continue
-                    if not block.diagonal:
-                        matrices[name] = matrix
-                    elif (direction := block.precondition_diagonal(matrix, damping)) is not None:
-                        local[name] = Preconditioned(block, matrix, direction)
-                kron = {e.block.name: e for e in self._engine.transform(matrices, rule)}
-                out += [kron.get(name) or local[name] for name in names
-                        if name in kron or name in local]
-            return out
+            return self._precondition(damping, grads)
+
+    def precondition_grouped(self, damping: float) -> GroupedDirections:
+        """:meth:`precondition` of the parameters' ``.grad``, blocks of one shape stacked.
+
+        The blocks :mod:`kaisa.core.grouped` can stack (this rank preconditions them and
+        sends them to no one; plain layouts, dense factors) come back as stacks, one
+        method call per group; the others as :meth:`precondition` gives them. Write them
+        with :func:`kaisa.core.clipping.write_directions`. Writes nothing.
+
+        Args:
+            damping: The damping of the method's precondition step.
+        """
+        with self.timed("preconditioning"):
+            method, engine = self._method, self._engine
+            local: list[CurvatureBlock] = []
+            if method.batched and not any(b.sharded() for b in self._blocks.values()):
+                shared = _shared_parameters(self._blocks.values())
+                local = [b for name, b in self._blocks.items()
+                         if engine.local_worker(name) and eligible(b, method)
+                         and not shared.intersection(map(id, b.parameters()))]
+            groups = []
+            for group in group_blocks(local, method, self._groups):
+                group.adopt()
+                grad = group.gradients()
+                direction = method.precondition(group.stacked, grad, damping)
+                assert direction is not None  # the blocks are ready
+                groups.append((group, grad, direction))
+            done = {b.name for b in local}
+            return GroupedDirections(groups, self._precondition(damping, None, skip=done))
+
+    def _precondition(
+        self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None,
+        skip: frozenset[str] | set[str] = frozenset(),
+    ) -> list[Preconditioned]:
+        out: list[Preconditioned] = []
+        rule = self._engine.preconditioning(damping)
+        for names in rounds(self._blocks):  # all at once, or one block at a time (FSDP2)
+            matrices, local = {}, {}
+            names = [name for name in names if name not in skip]
+            for name in names:
+                block = self._blocks[name]
+                if block.sharded():  # its workers precondition it, each rank gets its rows
+                    out += self._engine.sharded(block, rule if not block.diagonal else (
+                        lambda b, m: b.precondition_diagonal(m, damping)), grads)
+                    continue
+                matrix = block.gradient_matrix(_own(block, grads))
+                if matrix is None:
+                    continue
+                if not block.diagonal:
+                    matrices[name] = matrix
+                elif (direction := block.precondition_diagonal(matrix, damping)) is not None:
+                    local[name] = Preconditioned(block, matrix, direction)
+            kron = {e.block.name: e for e in self._engine.transform(matrices, rule)}
+            out += [kron.get(name) or local[name] for name in names
+                    if name in kron or name in local]
+        return out
 
     def transform(
         self, rule: BlockRule, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
@@ -529,6 +567,16 @@ class KFACCurvature:
 def _weight_dtype(blocks: Mapping[str, CurvatureBlock]) -> torch.dtype:
     """The weights' dtype (of the first block): the distributed config's default."""
     return next(iter(blocks.values())).weight.dtype
+
+
+def _shared_parameters(blocks: Iterable[CurvatureBlock]) -> set[int]:
+    """Ids of the parameters more than one block covers (their writes must stay ordered)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for block in blocks:
+        for p in block.parameters():
+            (shared if id(p) in seen else seen).add(id(p))
+    return shared
 
 
 def _own(block: CurvatureBlock, grads: Mapping[torch.Tensor, torch.Tensor] | None,

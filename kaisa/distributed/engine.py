@@ -215,6 +215,12 @@ class DistributedEngine:
         placed = self._placement.layers.get(name)
         return placed is None or placed.is_grad_worker(self._rank)
 
+    def local_worker(self, name: str) -> bool:
+        """Whether this rank preconditions block ``name`` and sends the result to no rank."""
+        placed = self._placement.layers.get(name)
+        return (placed is not None and self._rank in placed.grad_workers
+                and not placed.grad_receivers[self._rank])
+
     @property
     def owned_factors(self) -> bool:
         """Whether running factors live on their owners only (a model FSDP2 shards)."""

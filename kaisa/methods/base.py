@@ -80,6 +80,10 @@ class SecondOrderMethod(abc.ABC):
     #: Per payload tensor: whether it is a symmetric matrix (sent as an upper triangle
     #: when ``symmetry_aware``).
     symmetric: tuple[bool, ...]
+    #: Whether :meth:`precondition` treats the leading dimension of its gradient and of
+    #: every stored entry as independent blocks, so blocks of one shape can be stacked and
+    #: preconditioned in one call (:mod:`kaisa.core.grouped`).
+    batched: bool = False
 
     def decompose(
         self,

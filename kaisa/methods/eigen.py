@@ -36,6 +36,7 @@ class EigenMethod(SecondOrderMethod):
 
     state_keys: tuple[str, ...] = ("qa", "da", "qg", "dg", "dgda")
     symmetric = (False, False)
+    batched = True
 
     def __init__(self, *, outer_product: bool = True) -> None:
         self.outer_product = outer_product

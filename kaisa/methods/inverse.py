@@ -26,6 +26,7 @@ class InverseMethod(SecondOrderMethod):
 
     state_keys = ("a_inv", "g_inv")
     symmetric = (True,)
+    batched = True
 
     def decompose_dense(self, batch: Batch) -> list[Payload | None]:
         """See :meth:`SecondOrderMethod.decompose`; payload ``[(F + damping I)^-1]``."""

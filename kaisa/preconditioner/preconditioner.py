@@ -19,7 +19,7 @@ from torch import nn
 
 from kaisa.blocks import CurvatureBlock
 from kaisa.core.checkpoint import KFACState
-from kaisa.core.clipping import write_preconditioned
+from kaisa.core.clipping import write_directions
 from kaisa.core.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
 from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed import Communicator, DistributedConfig, FactorSize, MemoryEstimate, Placement
@@ -277,9 +277,9 @@ class KFACPreconditioner:
             curvature.update_factors(self.factor_decay)
         if steps % self.inv_update_steps == 0:
             curvature.update_decompositions(self.damping)
-        preconditioned = curvature.precondition(self.damping)
+        directions = curvature.precondition_grouped(self.damping)
         with curvature.timed("preconditioning"):
-            write_preconditioned(preconditioned, kl_clip=self.kl_clip, lr=self.lr)
+            write_directions(directions, kl_clip=self.kl_clip, lr=self.lr)
         self._steps += 1
         curvature.end_step()
         self._arm()

@@ -1,0 +1,208 @@
+"""Blocks of one shape preconditioned as one batch, in a few operator calls per step.
+
+A step that preconditions every block on its own dispatches a few dozen operator calls a
+block (its gradient matrix, the rotations, finite checks, the KL-clip inner product, the
+write-back); on a GPU each is a kernel launch, and a step is launch-bound. Here the blocks
+whose gradient matrices have one shape, dtype and device and whose stored decompositions
+have one layout form a *group* (:class:`BlockGroup`):
+
+* their gradients are stacked in one call, and the method preconditions the stack in one
+  call (:attr:`~kaisa.methods.SecondOrderMethod.batched`: its ``precondition`` treats the
+  leading dimension as independent blocks);
+* their decompositions live in one stacked tensor per entry, and each block's
+  ``decomposition`` holds a view of its rows (adopted once after every decomposition
+  round: the memory stays one copy, and stacking costs nothing on a step that does not
+  decompose);
+* the non-finite guard, the KL clip and the write-back
+  (:func:`kaisa.core.clipping.write_directions`) run on the stacks, with multi-tensor
+  (``torch._foreach_*``) calls across groups.
+
+The results equal the per-block path's, but for the order of floating-point sums (the KL
+clip's inner products). A block is grouped only where nothing else needs it alone: a plain
+gradient layout (every parameter has a ``.grad``, all its rows), dense factors, a method
+that batches, and a rank that preconditions it and sends it to no one; the rest take the
+per-block path (:meth:`kaisa.core.curvature.KFACCurvature.precondition`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kaisa.blocks import CurvatureBlock, Preconditioned
+from kaisa.methods import SecondOrderMethod
+
+__all__ = ["BlockGroup", "GroupedDirections", "eligible", "group_blocks"]
+
+#: What makes blocks stackable: the weight's shape, bias or not, the groups, the grads'
+#: dtype and device, and each stored entry's (key, shape, dtype).
+_Signature = tuple[object, ...]
+
+
+@dataclass
+class BlockGroup:
+    """Blocks of one gradient shape and decomposition layout, in model order.
+
+    Attributes:
+        blocks: The blocks (at least one).
+        keys: The decomposition entries the method reads, stacked in :attr:`stacked`.
+        stacked: ``key -> (blocks * groups, ...)`` tensor whose rows the blocks' entries view.
+    """
+
+    blocks: list[CurvatureBlock]
+    keys: tuple[str, ...]
+    stacked: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def bias(self) -> bool:
+        """Whether the blocks have a bias (its gradient is the matrix's last column)."""
+        return self.blocks[0].bias is not None
+
+    def adopt(self) -> None:
+        """Makes every block's entry a view of :attr:`stacked` (restacks what changed).
+
+        A decomposition round installs new tensors in the blocks' dicts; the first step
+        after it copies them into one stacked tensor per entry (one call each) and hands
+        the blocks views of it, so the old tensors are freed. Identity checks only, on a
+        step where nothing changed.
+        """
+        groups = self.blocks[0].groups
+        for key in self.keys:
+            stack = self.stacked.get(key)
+            if stack is not None and all(
+                b.decomposition[key] is v
+                for b, v in zip(self.blocks, self._views(key), strict=True)
+            ):
+                continue
+            parts = [b.decomposition[key] for b in self.blocks]
+            stack = parts[0] if len(parts) == 1 else torch.cat(parts)
+            self.stacked[key] = stack
+            views = [stack] if len(parts) == 1 else list(torch.split(stack, groups))
+            for block, view in zip(self.blocks, views, strict=True):
+                block.decomposition[key] = view
+            self._held[key] = views
+
+    def _views(self, key: str) -> Sequence[torch.Tensor]:
+        return self._held.get(key, ())
+
+    def __post_init__(self) -> None:
+        self._held: dict[str, list[torch.Tensor]] = {}
+
+    def gradients(self) -> torch.Tensor:
+        """The blocks' gradient matrices stacked: ``(blocks * groups, out / groups, n)``.
+
+        Written for few operator calls: no reshape where the stack has the shape already.
+        """
+        first, k = self.blocks[0], len(self.blocks)
+        out, groups = first.weight.shape[0], first.groups
+        weights = _grads(b.weight for b in self.blocks)
+        if not self.bias:
+            w = torch.stack(weights) if k > 1 else weights[0]
+            shape = (k * groups, out // groups, w.numel() // (k * out))
+            return w if w.shape == shape else w.reshape(shape)
+        biases = _grads(b.parameters()[1] for b in self.blocks)
+        if k == 1:
+            parts = [weights[0].view(1, out, -1), biases[0].view(1, out, 1)]
+        else:
+            parts = [torch.stack(weights).view(k, out, -1), torch.stack(biases).unsqueeze(2)]
+        matrix = torch.cat(parts, dim=2)
+        return matrix if groups == 1 else matrix.view(k * groups, out // groups, -1)
+
+    def destinations(self, direction: torch.Tensor) -> tuple[list[torch.Tensor],
+                                                              list[torch.Tensor]]:
+        """``(gradients, parts)``: the ``.grad`` tensors and what of ``direction`` each gets."""
+        blocks, first = self.blocks, self.blocks[0]
+        k, shape = len(blocks), first.weight.shape
+        dst = _grads(b.weight for b in blocks)
+        if not self.bias:
+            if k == 1:
+                src = [direction.view(shape)]
+            else:
+                full = (k, *shape)
+                src = list((direction if direction.shape == full else direction.view(full))
+                           .unbind())
+            return dst, src
+        matrix = direction if first.groups == 1 else direction.view(k, shape[0], -1)
+        weights = matrix[:, :, :-1]
+        if len(shape) > 2:
+            weights = weights.view(k, *shape)
+        dst += _grads(b.parameters()[1] for b in blocks)
+        return dst, [*weights.unbind(), *matrix[:, :, -1].unbind()]
+
+
+@dataclass(frozen=True)
+class GroupedDirections:
+    """One step's preconditioned gradients: stacked per group, and the rest per block.
+
+    Attributes:
+        groups: ``(group, gradient stack, direction stack)`` per group.
+        single: The per-block entries, in model order.
+    """
+
+    groups: list[tuple[BlockGroup, torch.Tensor, torch.Tensor]]
+    single: list[Preconditioned]
+
+
+def group_blocks(
+    blocks: Sequence[CurvatureBlock], method: SecondOrderMethod,
+    cache: dict[tuple[object, ...], list[BlockGroup]],
+) -> list[BlockGroup]:
+    """The groups of ``blocks`` (all eligible, see the module docstring), in model order.
+
+    Args:
+        blocks: Blocks ready to precondition, with every gradient present.
+        method: The method (its stored entries are stacked).
+        cache: Groups by layout, kept by the caller: the same blocks with the same layout
+            get the same :class:`BlockGroup` objects (and their stacked entries) back.
+
+    Returns:
+        The groups, ordered by their first block.
+    """
+    signatures = [_signature(b, method) for b in blocks]
+    key = tuple(zip((id(b) for b in blocks), signatures, strict=True))
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    by_sig: dict[_Signature, list[CurvatureBlock]] = {}
+    for block, sig in zip(blocks, signatures, strict=True):
+        by_sig.setdefault(sig, []).append(block)
+    groups = [BlockGroup(members, _keys(members[0], method)) for members in by_sig.values()]
+    cache.clear()  # one layout at a time: a changed layout drops the old stacks
+    cache[key] = groups
+    return groups
+
+
+def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    grads = [p.grad for p in params]
+    assert all(g is not None for g in grads)  # eligible blocks have every gradient
+    return grads  # type: ignore[return-value]
+
+
+def _keys(block: CurvatureBlock, method: SecondOrderMethod) -> tuple[str, ...]:
+    return tuple(k for k in method.state_keys if k in block.decomposition)
+
+
+def _signature(block: CurvatureBlock, method: SecondOrderMethod) -> _Signature:
+    grad = block.weight.grad
+    assert grad is not None
+    state = block.decomposition
+    entries = tuple((k, tuple(state[k].shape[1:]), state[k].dtype, state[k].device)
+                    for k in _keys(block, method))
+    return (tuple(block.weight.shape), block.bias is not None, block.groups, grad.dtype,
+            grad.device, entries)
+
+
+def eligible(block: CurvatureBlock, method: SecondOrderMethod) -> bool:
+    """Whether ``block`` can be grouped (the rank's part is checked by the caller)."""
+    if (block.diagonal or block.diagonal_sides or block.rows is not None or block.sharded()
+            or type(block).gradient_matrix is not CurvatureBlock.gradient_matrix
+            or type(block).split is not CurvatureBlock.split
+            or type(block).write_grad is not CurvatureBlock.write_grad):
+        return False
+    params = block.parameters()
+    if any(p.grad is None or p.grad.is_sparse or p.grad.dtype != params[0].grad.dtype  # type: ignore[union-attr]
+           for p in params):
+        return False
+    return method.batched and method.ready(block.decomposition)
