@@ -34,6 +34,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -152,8 +153,32 @@ def write(out: Path | str, benchmark: str, payload: Mapping[str, Any],
     doc = envelope(benchmark, payload, argv, script, **env)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=indent, default=str) + "\n")
-    return json.loads(json.dumps(doc, default=str))
+    text = portable(json.dumps(doc, indent=indent, default=str))
+    out.write_text(text + "\n")
+    return json.loads(text)  # type: ignore[no-any-return]
+
+
+#: An absolute path of a machine's own folders (a work tree, a temporary or output folder):
+#: what a committed result must not record (``portable``).
+MACHINE_PATH = re.compile(r"(?<![\w.$<>-])/(?:tmp|work|root|home|private|var/folders|scratch)"
+                          r"(?:/[^\s\"',;:]*)?")
+
+
+def portable(text: str) -> str:
+    """``text`` with the machine's own absolute paths replaced.
+
+    A path inside this checkout becomes relative to its root; any other path of a work
+    tree, a temporary or an output folder becomes ``<dir>/`` and its last part, so a result
+    file says which file it meant without naming the machine's folders.
+    """
+    def replace(match: re.Match[str]) -> str:
+        path = match.group(0)
+        try:
+            return str(Path(path).relative_to(ROOT))
+        except ValueError:
+            return "<dir>/" + Path(path).name if Path(path).name else "<dir>"
+
+    return MACHINE_PATH.sub(replace, text)
 
 
 def load(path: Path | str) -> dict[str, Any]:

@@ -46,6 +46,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root: bench.harness
+from bench import harness
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "plan_validation.json"
 NS, BRIDGE, SUBNET = "kplan", "br-kplan", "10.77.0."
@@ -352,7 +355,12 @@ def main() -> None:
         for res in data["results"]:
             for algorithm in ("gloo", "auto"):
                 predict(res, algorithm)
-        Path(args.out).write_text(json.dumps(data, indent=1))
+        data.pop("schema", None)  # the envelope is written again
+        command, env = data.pop("command", None), data.pop("environment", None)
+        data.pop("benchmark", None)
+        harness.write(args.out, "plan_validation", data,
+                      script="bench/distributed/plan_validation.py",
+                      recomputed_from={"command": command, "environment": env})
         print(table(data["results"]))
         print(summary(data["results"]))
         return
@@ -390,7 +398,8 @@ def main() -> None:
     for res in results:
         for algorithm in ("gloo", "auto"):
             predict(res, algorithm)
-    Path(args.out).write_text(json.dumps({"netns": netns, "results": results}, indent=1))
+    harness.write(args.out, "plan_validation", {"netns": netns, "results": results},
+                  script="bench/distributed/plan_validation.py")
     print(table(results))
     print(summary(results))
 

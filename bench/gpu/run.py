@@ -66,11 +66,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root: bench.harness
 import sanitize  # noqa: E402
 import toolchain  # noqa: E402
 from gpu_tests import collect, run_resumable  # noqa: E402
 from schema import validate  # noqa: E402
 from table import render  # noqa: E402
+
+from bench.harness import portable  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -408,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = validate(result)
     result["schema_problems"] = problems
     name = f"gpu-{device_slug(str(result['device']))}-{result['date']}.json"
-    (args.out / name).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    # no path of the GPU machine's folders (its output folder) in what gets committed
+    (args.out / name).write_text(portable(json.dumps(result, indent=1, sort_keys=True)) + "\n")
     table = render(result)
     (args.out / "table.md").write_text(table)
     shutil.rmtree(work, ignore_errors=True)

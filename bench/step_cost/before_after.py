@@ -32,6 +32,11 @@ ROOT = harness.ROOT
 
 _SETTLE_S = 0.05
 MODELS = ("autoencoder", "resnet20", "kfac_autoencoder", "kfac_resnet20")
+#: Further models, not in the default set: ``resnet32_10_100`` (CIFAR ResNet-32, batch 32,
+#: SGD + KFACPreconditioner with factors every 10 steps and decompositions every 100: mostly
+#: plain steps) and ``ekfac_gpt`` (the byte GPT of ``bench/step_cost/step_cost.py``, d 128,
+#: 4 layers, context 64, batch 32, ``kaisa.EKFAC`` with its defaults).
+EXTRA = ("resnet32_10_100", "ekfac_gpt")
 
 _WORKER = textwrap.dedent(
     """
@@ -44,6 +49,32 @@ _WORKER = textwrap.dedent(
         from kaisa import models
     torch.set_num_threads(int(sys.argv[1]))
     name = sys.argv[2]
+    if name in ("resnet32_10_100", "ekfac_gpt"):
+        torch.manual_seed(0)
+        if name == "ekfac_gpt":
+            from kaisa.train.models.gpt import gpt
+            model = gpt(d_model=128, n_layers=4, context=64, n_heads=4)
+            tokens = torch.randint(0, 256, (32, 65))
+            x, y = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+            opt = kaisa.EKFAC(model, lr=1e-3)
+            step = opt.step
+        else:
+            model = models.resnet32(num_classes=10)
+            x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+            sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            pre = kaisa.KFACPreconditioner(model, factor_update_steps=10, inv_update_steps=100)
+            def step():
+                pre.step()
+                sgd.step()
+        print(json.dumps({"kaisa": kaisa.__file__}), flush=True)
+        for line in sys.stdin:
+            t0 = time.perf_counter()
+            model.zero_grad()
+            out = model(x)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), y).backward()
+            step()
+            print(time.perf_counter() - t0, flush=True)
+        sys.exit(0)
     setups = {
         "autoencoder": (lambda: models.build_model("autoencoder", input_dim=64), (64,), 128),
         "resnet20": (lambda: models.resnet20(num_classes=10), (3, 32, 32), 32),
@@ -145,7 +176,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, required=True, help="other checkout")
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + EXTRA)
     args = parser.parse_args()
     before = args.baseline.resolve()
     summary = {}
@@ -160,7 +191,7 @@ def main() -> None:
         "iteration; ratio < 1 means this checkout is faster. autoencoder/resnet20: SGD + "
         "KFACPreconditioner (eigen, factors every step, inverses every 10); kfac_*: kaisa.KFAC "
         "with its defaults (adaptive lr/momentum/damping, MC Fisher)",
-        "baseline": str(args.baseline),
+        "baseline": _commit(before),
         "iters": args.iters, "threads": args.threads,
         "summary": summary,
     }

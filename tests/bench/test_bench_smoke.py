@@ -161,3 +161,22 @@ def test_plan_validation_smoke(tmp_path: Path) -> None:
         assert row["measured_s"]["factor allreduce"] > 0
         assert row["predicted_s"]["auto"]["decompose + broadcast"] > 0
     assert "| communication only | gloo |" in run.stdout
+
+
+def test_launches_smoke(tmp_path: Path) -> None:
+    """bench/step_cost/launches.py --smoke: every phase counted; the grouped plain step stays small."""
+    module = load_bench("launches")
+    out = tmp_path / "launches.json"
+    results = module.main(["--smoke", "--tasks", "gpt", "--products", "sgd,kfac_pre,ekfac",
+                           "--out", str(out)])
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(results))
+    gpt = results["gpt"]
+    assert set(gpt["kfac_pre"]) == {
+        "fwd_bwd", "fwd_bwd_factor", "step", "step_sgd", "step_factor", "step_factor_sgd",
+        "step_decomposition", "step_decomposition_sgd"}
+    assert set(gpt["ekfac"]) == {"fwd_bwd_factor", "step", "step_decomposition"}
+    plain = gpt["kfac_pre"]["step"]
+    assert plain["launches"] > plain["calls"]  # eigen_precondition counts its GEMMs
+    # one preconditioning call per shape: a few dozen calls, not a few dozen per block
+    assert plain["calls"] <= 60, plain
+    assert gpt["sgd"]["step"]["calls"] <= 10  # foreach: a few calls for every parameter
