@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +136,83 @@ class RunningFactors:
     def skipped(self) -> int:
         """Non-finite batch factors not folded in (synchronises the device)."""
         return sum(int(t.item()) for t in (self.skipped_a, self.skipped_g) if t is not None)
+
+
+#: A factor :func:`fold_all` updates: its block's running factors, the side, the running
+#: factor and the batch factor.
+_Slot = tuple["RunningFactors", Side, torch.Tensor, torch.Tensor]
+#: Bytes of running factors :func:`fold_all` updates per batch of multi-tensor calls: its
+#: temporaries (the scaled factors) stay within about twice this, plus the largest factor.
+FOLD_CHUNK_BYTES = 64 * 2**20
+
+
+def fold_all(
+    items: Sequence[tuple[RunningFactors, torch.Tensor | None, torch.Tensor | None]],
+    rho: float, *, zero_start: bool = False,
+) -> None:
+    """:meth:`RunningFactors.fold` of many blocks' batch factors, in a few calls.
+
+    The same arithmetic and skipping (the running factors come out bit for bit the same),
+    grouped: the finiteness of every batch factor is one multi-tensor L1 norm accumulated in
+    float64 (NaN and infinities reach it, finite float32 values cannot overflow it), and
+    ``rho F`` and ``(1 - rho) F_batch`` are multi-tensor calls over factors of one dtype and
+    device, in chunks of :data:`FOLD_CHUNK_BYTES`; the choice between the new and the old
+    factor stays one ``where`` per factor. A factor folded for the first time (or whose
+    shape, dtype or device changed) takes :meth:`RunningFactors.fold`.
+
+    Args:
+        items: ``(running factors, A batch, G batch)`` per block (``None``: no batch).
+        rho: The running-average decay.
+        zero_start: A first factor starts from zero, not the identity.
+    """
+    slots: dict[tuple[torch.device, torch.dtype], list[_Slot]] = {}
+    for factors, a_batch, g_batch in items:
+        for side, batch in ((Side.A, a_batch), (Side.G, g_batch)):
+            if batch is None:
+                continue
+            running = factors.a if side is Side.A else factors.g
+            skipped = factors.skipped_a if side is Side.A else factors.skipped_g
+            if (running is None or skipped is None or running.shape != batch.shape
+                    or running.dtype != batch.dtype or running.device != batch.device):
+                a, g = (batch, None) if side is Side.A else (None, batch)
+                factors.fold(a, g, rho, zero_start=zero_start)
+                continue
+            slots.setdefault((batch.device, batch.dtype), []).append((factors, side, running,
+                                                                       batch))
+    for same in slots.values():
+        for chunk in _chunks(same):
+            _fold_chunk(chunk, rho)
+
+
+def _chunks(slots: list[_Slot]) -> list[list[_Slot]]:
+    out: list[list[_Slot]] = [[]]
+    size = 0
+    for slot in slots:
+        nbytes = slot[2].numel() * slot[2].element_size()
+        if out[-1] and size + nbytes > FOLD_CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(slot)
+        size += nbytes
+    return out
+
+
+def _fold_chunk(chunk: list[_Slot], rho: float) -> None:
+    running = [r for _, _, r, _ in chunk]
+    batches = [b for _, _, _, b in chunk]
+    norms = torch._foreach_norm(batches, 1, dtype=torch.float64)
+    finite = torch.stack(norms) if len(norms) > 1 else norms[0].reshape(1)
+    finite = (finite * 0) == 0  # isfinite in two calls (inf * 0 and NaN * 0 are NaN)
+    updated = torch._foreach_mul(running, rho)
+    torch._foreach_add_(updated, torch._foreach_mul(batches, 1.0 - rho))
+    skipped = [f.skipped_a if side is Side.A else f.skipped_g for f, side, _, _ in chunk]
+    counts = torch._foreach_add(skipped, list((~finite).to(torch.int64).unbind()))  # type: ignore[arg-type]
+    for (factors, side, old, _), new, ok, count in zip(chunk, updated, finite.unbind(), counts,
+                                                       strict=True):
+        if side is Side.A:
+            factors.a, factors.skipped_a = torch.where(ok, new, old), count
+        else:
+            factors.g, factors.skipped_g = torch.where(ok, new, old), count
 
 
 def tensor_bytes(*ts: torch.Tensor | None) -> int:

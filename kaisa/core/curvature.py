@@ -40,6 +40,7 @@ from torch import nn
 from kaisa.blocks import CurvatureBlock, Preconditioned, RunningFactors, register_blocks
 from kaisa.blocks.attention import undecided_attention
 from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_factor_updates
+from kaisa.blocks.state import fold_all
 from kaisa.core.config import KFACConfig
 from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
 from kaisa.core.grouped import BlockGroup, GroupedDirections, eligible, group_blocks
@@ -307,13 +308,11 @@ class KFACCurvature:
         """
         with self.timed("factors"):
             self._recorder.compute_saved()
-            recorded = False
-            for name, averaged in self._engine.averaged_factors().items():
-                block = self._blocks[name]
-                a_batch, g_batch = block.combine(*averaged)
-                block.factors.fold(a_batch, g_batch, decay, zero_start=zero_start)
-                recorded = recorded or a_batch is not None or g_batch is not None
-            if recorded:
+            items = [(block.factors, *block.combine(*averaged))
+                     for block, averaged in ((self._blocks[name], averaged) for name, averaged
+                                             in self._engine.averaged_factors().items())]
+            fold_all(items, decay, zero_start=zero_start)
+            if any(a is not None or g is not None for _, a, g in items):
                 self._warn_silent_blocks()
 
     def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:

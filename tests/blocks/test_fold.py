@@ -1,0 +1,93 @@
+"""fold_all: many blocks' running averages in a few multi-tensor calls, bit for bit as one by one."""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kaisa.blocks import state
+from kaisa.blocks.state import RunningFactors, fold_all
+from kaisa.utils.enums import Side
+
+
+def _factors(seed: int, shapes: list[tuple[int, ...]], dtype: torch.dtype
+             ) -> list[tuple[RunningFactors, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, shape in enumerate(shapes):
+        diagonal = frozenset({Side.A, Side.G}) if len(shape) == 2 else frozenset()
+        running = RunningFactors(diagonal_sides=diagonal)
+        a = torch.randn(*shape, generator=gen, dtype=dtype)
+        g = torch.randn(*shape, generator=gen, dtype=dtype)
+        if i % 3 != 2:  # some blocks fold for the first time in the call under test
+            running.fold(a, g, 0.9)
+        a_batch = torch.randn(*shape, generator=gen, dtype=dtype)
+        g_batch = torch.randn(*shape, generator=gen, dtype=dtype)
+        out.append((running, a_batch, g_batch))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [64 * 2**20, 300])
+def test_fold_all_equals_folding_one_by_one(dtype: torch.dtype, chunk: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state, "FOLD_CHUNK_BYTES", chunk)  # 300 bytes: a chunk per factor
+    shapes = [(1, 5, 5), (1, 5, 5), (2, 3, 3), (1, 7, 7), (1, 6), (1, 5, 5), (1, 4, 4)]
+    items = _factors(0, shapes, dtype)
+    items[1][1][0, 1, 2] = float("nan")  # a non-finite A batch: skipped and counted
+    items[3][2][0, 0, 0] = float("inf")  # an infinite G batch
+    items[5][2].fill_(float("-inf"))
+    one_by_one = copy.deepcopy(items)
+    for running, a, g in one_by_one:
+        running.fold(a, g, 0.95)
+    fold_all(items, 0.95)
+    for (got, _, _), (want, _, _) in zip(items, one_by_one, strict=True):
+        for key in ("a", "g", "skipped_a", "skipped_g"):
+            assert torch.equal(getattr(got, key), getattr(want, key)), key
+    assert [r.skipped for r, _, _ in items] == [0, 1, 0, 1, 0, 1, 0]
+
+
+def test_fold_all_zero_start_and_missing_batches() -> None:
+    items = _factors(1, [(1, 4, 4), (1, 4, 4), (1, 4, 4)], torch.float64)
+    items = [(items[0][0], None, items[0][2]), (items[1][0], items[1][1], None), items[2]]
+    one_by_one = copy.deepcopy(items)
+    for running, a, g in one_by_one:
+        running.fold(a, g, 0.5, zero_start=True)
+    fold_all(items, 0.5, zero_start=True)
+    for (got, _, _), (want, _, _) in zip(items, one_by_one, strict=True):
+        for key in ("a", "g", "skipped_a", "skipped_g"):
+            x, y = getattr(got, key), getattr(want, key)
+            assert (x is None and y is None) or torch.equal(x, y), key
+
+
+class _Calls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.calls[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_fold_all_makes_one_where_per_factor_and_no_other_per_factor_call() -> None:
+    def count(blocks: int) -> collections.Counter[str]:
+        items = _factors(2, [(1, 6, 6)] * blocks, torch.float32)
+        for running, a, g in items:  # every block folded once already
+            running.fold(a, g, 0.9)
+        calls = _Calls()
+        with calls:
+            fold_all(items, 0.9)
+        return calls.calls
+
+    few, many = count(4), count(12)
+    assert many["aten.where"] == 24 and few["aten.where"] == 8  # one per factor
+    assert {k: v for k, v in few.items() if k not in ("aten.where", "aten.unbind")} == {
+        k: v for k, v in many.items() if k not in ("aten.where", "aten.unbind")}
+    assert "aten._local_scalar_dense" not in many  # no host synchronisation
