@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from fractions import Fraction
 from typing import Any
@@ -43,7 +43,7 @@ from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_fa
 from kaisa.blocks.state import fold_all
 from kaisa.core.config import KFACConfig
 from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
-from kaisa.core.grouped import BlockGroup, GroupedDirections, eligible, group_blocks
+from kaisa.core.grouped import BlockGroup, GroupedDirections, GroupRule, run_groups
 from kaisa.core.hooks import StatisticsRecorder
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.distributed.agreement import check_same_on_ranks
@@ -353,23 +353,31 @@ class KFACCurvature:
         Args:
             damping: The damping of the method's precondition step.
         """
+        method = self._method
         with self.timed("preconditioning"):
-            method, engine = self._method, self._engine
-            local: list[CurvatureBlock] = []
-            if method.batched and not any(b.sharded() for b in self._blocks.values()):
-                shared = _shared_parameters(self._blocks.values())
-                local = [b for name, b in self._blocks.items()
-                         if engine.local_worker(name) and eligible(b, method)
-                         and not shared.intersection(map(id, b.parameters()))]
-            groups = []
-            for group in group_blocks(local, method, self._groups):
-                group.adopt()
-                grad = group.gradients()
-                direction = method.precondition(group.stacked, grad, damping)
-                assert direction is not None  # the blocks are ready
-                groups.append((group, grad, direction))
-            done = {b.name for b in local}
+            groups, done = run_groups(
+                self._blocks, self._engine, method, self._groups,
+                lambda group, grad: method.precondition(group.stacked, grad, damping))
             return GroupedDirections(groups, self._precondition(damping, None, skip=done))
+
+    def transform_grouped(
+        self, rule: BlockRule, group_rule: GroupRule,
+        uniform: Callable[[BlockGroup], bool] | None = None,
+    ) -> GroupedDirections:
+        """:meth:`transform` of the parameters' ``.grad``, blocks of one shape stacked.
+
+        Args:
+            rule: The per-block computation (as for :meth:`transform`).
+            group_rule: The same on a group's stacks: ``group_rule(group, gradient stack)``
+                with the stacked entries in ``group.stacked`` (those it creates are handed
+                to the blocks).
+            uniform: Whether a group's blocks may share one call this step; a group that
+                may not takes ``rule`` block by block.
+        """
+        with self.timed("preconditioning"):
+            groups, done = run_groups(self._blocks, self._engine, self._method, self._groups,
+                                      group_rule, uniform)
+            return GroupedDirections(groups, self._transform(rule, None, skip=done))
 
     def _precondition(
         self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None,
@@ -416,19 +424,25 @@ class KFACCurvature:
             One entry per Kronecker block with a gradient and a result, in model order.
         """
         with self.timed("preconditioning"):
-            out: list[Preconditioned] = []
-            for names in rounds(self._blocks):
-                matrices = {}
-                for name in names:
-                    block = self._blocks[name]
-                    if block.diagonal:
-                        continue
-                    if block.sharded():
-                        out += self._engine.sharded(block, rule, grads)
-                    elif (matrix := block.gradient_matrix(_own(block, grads))) is not None:
-                        matrices[name] = matrix
-                out += self._engine.transform(matrices, rule)
-            return out
+            return self._transform(rule, grads)
+
+    def _transform(
+        self, rule: BlockRule, grads: Mapping[torch.Tensor, torch.Tensor] | None,
+        skip: frozenset[str] | set[str] = frozenset(),
+    ) -> list[Preconditioned]:
+        out: list[Preconditioned] = []
+        for names in rounds(self._blocks):
+            matrices = {}
+            for name in names:
+                block = self._blocks[name]
+                if block.diagonal or name in skip:
+                    continue
+                if block.sharded():
+                    out += self._engine.sharded(block, rule, grads)
+                elif (matrix := block.gradient_matrix(_own(block, grads))) is not None:
+                    matrices[name] = matrix
+            out += self._engine.transform(matrices, rule)
+        return out
 
     def end_step(self) -> None:
         """Ends a step: the recorder's per-step counters restart (and unused row draws go)."""
@@ -566,16 +580,6 @@ class KFACCurvature:
 def _weight_dtype(blocks: Mapping[str, CurvatureBlock]) -> torch.dtype:
     """The weights' dtype (of the first block): the distributed config's default."""
     return next(iter(blocks.values())).weight.dtype
-
-
-def _shared_parameters(blocks: Iterable[CurvatureBlock]) -> set[int]:
-    """Ids of the parameters more than one block covers (their writes must stay ordered)."""
-    seen: set[int] = set()
-    shared: set[int] = set()
-    for block in blocks:
-        for p in block.parameters():
-            (shared if id(p) in seen else seen).add(id(p))
-    return shared
 
 
 def _own(block: CurvatureBlock, grads: Mapping[torch.Tensor, torch.Tensor] | None,

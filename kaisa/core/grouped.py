@@ -26,15 +26,16 @@ per-block path (:meth:`kaisa.core.curvature.KFACCurvature.precondition`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
+from kaisa.distributed import DistributedEngine
 from kaisa.methods import SecondOrderMethod
 
-__all__ = ["BlockGroup", "GroupedDirections", "eligible", "group_blocks"]
+__all__ = ["BlockGroup", "GroupRule", "GroupedDirections", "eligible", "group_blocks", "run_groups"]
 
 #: What makes blocks stackable: the weight's shape, bias or not, the groups, the grads'
 #: dtype and device, and each stored entry's (key, shape, dtype).
@@ -84,6 +85,21 @@ class BlockGroup:
                 block.decomposition[key] = view
             self._held[key] = views
 
+    def release(self) -> None:
+        """Hands the blocks views of entries a computation created in :attr:`stacked`.
+
+        A product's rule may create state on its first step (EKFAC's moments): it lands in
+        the stacked dict, and each block gets its rows, as :meth:`adopt` would give them.
+        """
+        groups = self.blocks[0].groups
+        for key in [k for k in self.stacked if k not in self.keys]:
+            stack = self.stacked[key]
+            views = [stack] if len(self.blocks) == 1 else list(torch.split(stack, groups))
+            for block, view in zip(self.blocks, views, strict=True):
+                block.decomposition[key] = view
+            self._held[key] = views
+            self.keys = (*self.keys, key)
+
     def _views(self, key: str) -> Sequence[torch.Tensor]:
         return self._held.get(key, ())
 
@@ -110,12 +126,16 @@ class BlockGroup:
         matrix = torch.cat(parts, dim=2)
         return matrix if groups == 1 else matrix.view(k * groups, out // groups, -1)
 
-    def destinations(self, direction: torch.Tensor) -> tuple[list[torch.Tensor],
-                                                              list[torch.Tensor]]:
-        """``(gradients, parts)``: the ``.grad`` tensors and what of ``direction`` each gets."""
+    def destinations(self, direction: torch.Tensor, *, params: bool = False,
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(targets, parts)``: where each part of a stack of gradient matrices goes.
+
+        The targets are the ``.grad`` tensors (the parameters with ``params``); the parts
+        are views of ``direction`` in their shapes.
+        """
         blocks, first = self.blocks, self.blocks[0]
         k, shape = len(blocks), first.weight.shape
-        dst = _grads(b.weight for b in blocks)
+        dst = [b.weight for b in blocks] if params else _grads(b.weight for b in blocks)
         if not self.bias:
             if k == 1:
                 src = [direction.view(shape)]
@@ -128,7 +148,8 @@ class BlockGroup:
         weights = matrix[:, :, :-1]
         if len(shape) > 2:
             weights = weights.view(k, *shape)
-        dst += _grads(b.parameters()[1] for b in blocks)
+        biases = [b.parameters()[1] for b in blocks]
+        dst += biases if params else _grads(biases)
         return dst, [*weights.unbind(), *matrix[:, :, -1].unbind()]
 
 
@@ -143,6 +164,63 @@ class GroupedDirections:
 
     groups: list[tuple[BlockGroup, torch.Tensor, torch.Tensor]]
     single: list[Preconditioned]
+
+
+#: A group's computation: ``(group, gradient stack) -> result stack`` (reads and may update
+#: ``group.stacked``).
+GroupRule = Callable[[BlockGroup, torch.Tensor], torch.Tensor | None]
+
+
+def run_groups(
+    blocks: Mapping[str, CurvatureBlock], engine: DistributedEngine, method: SecondOrderMethod,
+    cache: dict[tuple[object, ...], list[BlockGroup]], rule: GroupRule,
+    uniform: Callable[[BlockGroup], bool] | None = None,
+) -> tuple[list[tuple[BlockGroup, torch.Tensor, torch.Tensor]], set[str]]:
+    """``rule`` on the stacks of every group of the blocks this rank may stack.
+
+    Args:
+        blocks: The core's blocks by name.
+        engine: The engine (which blocks this rank preconditions and sends to no one).
+        method: The second-order method.
+        cache: The core's groups by layout (:func:`group_blocks`).
+        rule: The computation of a group.
+        uniform: Whether a group's blocks may share one call of ``rule`` this step (e.g.
+            their Adam scalars agree); a group that may not takes the per-block path.
+
+    Returns:
+        ``(group, gradient stack, result)`` per group, and the names of their blocks (the
+        caller runs the per-block path for the others).
+    """
+    if not method.batched or any(b.sharded() for b in blocks.values()):
+        return [], set()  # FSDP2 preconditions block by block
+    shared = _shared_parameters(blocks.values())
+    local = [b for name, b in blocks.items()
+             if engine.local_worker(name) and eligible(b, method)
+             and not shared.intersection(map(id, b.parameters()))]
+    out: list[tuple[BlockGroup, torch.Tensor, torch.Tensor]] = []
+    done: set[str] = set()
+    for group in group_blocks(local, method, cache):
+        if uniform is not None and not uniform(group):
+            continue
+        group.adopt()
+        grad = group.gradients()
+        result = rule(group, grad)
+        if result is None:  # the rule had nothing for the group: the per-block path
+            continue
+        group.release()
+        out.append((group, grad, result))
+        done.update(b.name for b in group.blocks)
+    return out, done
+
+
+def _shared_parameters(blocks: Iterable[CurvatureBlock]) -> set[int]:
+    """Ids of the parameters more than one block covers (their writes must stay ordered)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for block in blocks:
+        for p in block.parameters():
+            (shared if id(p) in seen else seen).add(id(p))
+    return shared
 
 
 def group_blocks(

@@ -263,7 +263,8 @@ class EKFAC(torch.optim.Optimizer):
         """The EKFAC step of every block with a gradient, AdamW's of the rest."""
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         steps: dict[str, AdamStep] = {}
-        counted: set[int] = set()
+        counted: dict[int, torch.Tensor] = {}  # each parameter's step count, once
+        stepped: list[tuple[str, dict[str, Any], int]] = []  # (block, group, its weight's count)
         for block in (b for b in self.curvature.blocks.values() if not b.diagonal):
             if block.weight.grad is None:
                 continue
@@ -276,19 +277,43 @@ class EKFAC(torch.optim.Optimizer):
                         "different lr, betas or eps: EKFAC keeps one Adam state per block")
             for p in block.parameters():  # once per step, also when blocks share p's rows
                 if p.grad is not None and id(p) not in counted:
-                    counted.add(id(p))
-                    self.state[p].setdefault("step", step_count())
-                    self.state[p]["step"] += 1
+                    if "step" not in self.state[p]:
+                        self.state[p]["step"] = step_count()
+                    counted[id(p)] = self.state[p]["step"]
+            stepped.append((block.name, group, list(counted).index(id(block.weight))))  # few
+        if counted:  # one multi-tensor increment, one read of the (CPU) counts
+            torch._foreach_add_(list(counted.values()), 1)
+            values = torch.stack(list(counted.values())).tolist()
+        for name, group, index in stepped:
             beta1, beta2 = group["betas"]
-            steps[block.name] = AdamStep(float(group["lr"]), float(beta1), float(beta2),
-                                         float(group["eps"]),
-                                         float(self.state[block.weight]["step"].item()))
+            steps[name] = AdamStep(float(group["lr"]), float(beta1), float(beta2),
+                                   float(group["eps"]), float(values[index]))
         method, dtype = self._method, self.config.kfac.inv_dtype
-        results = self.curvature.transform(
+        results = self.curvature.transform_grouped(
             lambda block, grad: method.adam_step(block.decomposition, grad, steps[block.name],
-                                                 dtype=dtype, diagonal=block.diagonal_sides))
+                                                 dtype=dtype, diagonal=block.diagonal_sides),
+            lambda group, grad: method.adam_step(group.stacked, grad,
+                                                 steps[group.blocks[0].name], dtype=dtype),
+            # one Adam step for the stack: the same scalars and weight decay for every part
+            uniform=lambda group: len({(steps[b.name], group_of[id(p)]["weight_decay"])
+                                       for b in group.blocks for p in b.parameters()}) == 1)
         with phase("update"):
-            for entry in results:
+            targets: list[torch.Tensor] = []
+            parts: list[torch.Tensor] = []
+            for stacked, _, update in results.groups:
+                dst, src = stacked.destinations(update, params=True)
+                targets += dst
+                parts += src
+            decay: dict[float, list[torch.Tensor]] = {}
+            for p in targets:
+                g = group_of[id(p)]
+                if g["weight_decay"] != 0:
+                    decay.setdefault(1 - g["lr"] * g["weight_decay"], []).append(p)
+            for factor, ps in decay.items():
+                torch._foreach_mul_(ps, factor)
+            if targets:
+                torch._foreach_add_(targets, parts)
+            for entry in results.single:
                 block = entry.block
                 for p, part, rows in zip(block.parameters(), block.parts(entry.direction),
                                          block.row_slices(), strict=True):

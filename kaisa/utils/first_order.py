@@ -124,6 +124,10 @@ def adamw_update(
 ) -> None:
     """``torch.optim.AdamW``'s step (``foreach=False``) on each parameter with a ``.grad``.
 
+    The per-parameter arithmetic of ``foreach=False``, bit for bit, as multi-tensor calls:
+    the same element operations in the same order, over the parameters of one step count
+    and device at a time.
+
     Args:
         params: The parameters.
         state: Per-parameter state as ``Optimizer.state`` (AdamW's ``step``, ``exp_avg``,
@@ -133,20 +137,37 @@ def adamw_update(
         eps: Added to the denominator.
         weight_decay: The decoupled weight decay.
     """
-    for p in params:
-        if p.grad is None:
-            continue
+    live = [p for p in params if p.grad is not None]
+    if not live:
+        return
+    for p in live:
         own = state[p]
         if "step" not in own:
             own["step"] = step_count()
             own["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             own["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        own["step"] += 1
+    counts = [state[p]["step"] for p in live]
+    torch._foreach_add_(counts, 1)
+    buckets: dict[tuple[float, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p, t in zip(live, torch.stack(counts).tolist(), strict=True):
+        buckets.setdefault((t, p.device, p.dtype), []).append(p)
+    for (t, _, _), ps in buckets.items():
+        m = [state[p]["exp_avg"] for p in ps]
+        v = [state[p]["exp_avg_sq"] for p in ps]
+        grads = [p.grad for p in ps]
         if weight_decay != 0:
-            p.mul_(1 - lr * weight_decay)
-        adam_moments(own["exp_avg"], own["exp_avg_sq"], p.grad, *betas)
-        step = AdamStep(lr, *betas, eps, float(own["step"].item()))
-        p.add_(step.update(own["exp_avg"], own["exp_avg_sq"]))
+            torch._foreach_mul_(ps, 1 - lr * weight_decay)
+        torch._foreach_lerp_(m, grads, 1 - betas[0])  # type: ignore[arg-type]
+        torch._foreach_mul_(v, betas[1])
+        torch._foreach_addcmul_(v, grads, grads, value=1 - betas[1])  # type: ignore[arg-type]
+        step = AdamStep(lr, *betas, eps, t)
+        bias_correction2 = 1 - step.beta2**step.step
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, bias_correction2**0.5)
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_mul(m, -(lr / (1 - step.beta1**step.step)))
+        torch._foreach_div_(update, denom)
+        torch._foreach_add_(ps, update)
 
 
 def step_count() -> torch.Tensor:
