@@ -20,7 +20,9 @@ once). Each step is timed on the host between two device synchronisations and
 labelled by what its schedule does (``F`` factors, ``I`` eigendecompositions, ``D`` the
 damping rule, ``-`` none); the per-step cost is the amortised median: the sum over labels
 of (the label's share of one schedule period) x (the median of its timed steps), and the
-ratio is that against the baseline's. Peak memory: ``torch.cuda.max_memory_allocated``
+ratio is that against the baseline's. The first warm-up step of each label is run under a
+``TorchDispatchMode`` that counts its operator calls (each at least a kernel launch):
+``calls`` per label. Peak memory: ``torch.cuda.max_memory_allocated``
 over each configuration's last round (all the task's models are resident).
 
     python bench/gpu/step_cost.py --out /tmp/step_cost.json           # on a GPU
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kaisa
 from kaisa.train.models import autoencoder
@@ -63,6 +66,7 @@ class Config:
     every: dict[str, int] = field(default_factory=dict)  # label letter -> period
     times: dict[str, list[float]] = field(default_factory=dict)
     peak_bytes: int | None = None
+    calls: dict[str, int] = field(default_factory=dict)  # label -> operator calls of a step
 
     def label(self, i: int) -> str:
         """What the schedule does at step ``i``."""
@@ -88,6 +92,19 @@ class Setup:
         """Waits for queued device work."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class Calls(TorchDispatchMode):
+    """Operator calls that reach the dispatcher (views included): each is at least a launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 def train_step(model: nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -222,8 +239,14 @@ TASKS: dict[str, Callable[[Setup], tuple[list[Config], dict[str, Any]]]] = {
 def time_task(configs: list[Config], s: Setup) -> None:
     """Warm-up, then interleaved timed rounds; fills each config's ``times`` by label."""
     for c in configs:
-        for i in range(s.warmup):
-            c.step(i)
+        for i in range(s.warmup):  # the first warm-up step of each label is counted
+            if c.label(i) in c.calls:
+                c.step(i)
+                continue
+            counter = Calls()
+            with counter:
+                c.step(i)
+            c.calls[c.label(i)] = counter.n
     s.sync()
     for k in range(s.rounds):
         for c in configs[k % len(configs):] + configs[: k % len(configs)]:
@@ -263,6 +286,8 @@ def run_task(name: str, s: Setup) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for c in configs:
         ms, split = amortised_ms(c)
+        for label, n in c.calls.items():  # a whole step's calls (forward, backward, steps)
+            split.setdefault(label, {})["calls"] = n
         rows[c.name] = {"ms_per_step": round(ms, 3), "baseline": c.baseline, "labels": split,
                         "peak_gib": (round(c.peak_bytes / 2**30, 3)
                                      if c.peak_bytes is not None else None)}
@@ -307,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in [t.strip() for t in args.tasks.split(",")]:
         # per task: the fewest steps that time each schedule's rarest step at least once
         # (ResNet-50: 3 + 5 x 21 = 108 > 100; GPT: 3 + 2 x 12 = 27 > 20)
-        defaults = (1, 1, 2) if args.tiny else STEPS.get(name, (3, 3, 10))
+        defaults = (2, 1, 2) if args.tiny else STEPS.get(name, (3, 3, 10))
         s = Setup(device, args.tiny, *(v if v is not None else d for v, d in zip(
             (args.warmup, args.rounds, args.round_steps), defaults, strict=True)))
         payload["protocol"][name] = {"warmup": s.warmup, "rounds": s.rounds,
