@@ -18,7 +18,8 @@ reaches the dispatcher, views included, as ``docs/benchmarks.md`` counts them), 
 
 Phases: ``fwd_bwd`` (forward + backward of a step that records nothing), ``fwd_bwd_factor``
 (of a step whose hooks record statistics), ``step`` (the optimizer or product step of a
-plain step: no factor or decomposition work), ``step_factor`` (factors, no decomposition)
+plain step: no factor or decomposition work; EKFAC's steady step, which folds factors),
+``step_factor`` (factors, no decomposition)
 and ``step_decomposition`` (the step that decomposes). Besides ``calls``, ``launches``
 counts each of kaisa's own operators as the CUDA kernels it launches at least
 (``KAISA_LAUNCHES``); torch's operators count one each.
@@ -159,8 +160,9 @@ def _phases(product: str, name: str, smoke: bool) -> dict[str, dict[str, int]]:
     counted = {
         "kfac_pre": {0: ("fwd_bwd_factor", "step_decomposition"), 1: ("fwd_bwd", "step"),
                      10: ("fwd_bwd_factor", "step_factor")},
-        # factors every step: the steady step is a factor step
-        "ekfac": {0: ("fwd_bwd_factor", "step_decomposition"), 1: ("fwd_bwd_factor", "step")},
+        # factors every step: the steady step is a factor step (the third: the first
+        # creates Adam's moments, the second stacks them with the bases)
+        "ekfac": {0: ("fwd_bwd_factor", "step_decomposition"), 2: ("fwd_bwd_factor", "step")},
     }.get(product, {1: ("fwd_bwd", "step")})  # the first step of Adam allocates its state
     for i in range(max(counted) + 1):
         model.zero_grad()
