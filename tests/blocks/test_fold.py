@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kaisa.blocks import state
 from kaisa.blocks.state import RunningFactors, fold_all
 from kaisa.utils.enums import Side
+from tests.support.calls import Calls
 
 
 def _factors(seed: int, shapes: list[tuple[int, ...]], dtype: torch.dtype
@@ -65,15 +64,6 @@ def test_fold_all_zero_start_and_missing_batches() -> None:
             assert (x is None and y is None) or torch.equal(x, y), key
 
 
-class _Calls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        self.calls[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_fold_all_makes_one_where_per_factor_and_no_other_per_factor_call() -> None:
@@ -81,7 +71,7 @@ def test_fold_all_makes_one_where_per_factor_and_no_other_per_factor_call() -> N
         items = _factors(2, [(1, 6, 6)] * blocks, torch.float32)
         for running, a, g in items:  # every block folded once already
             running.fold(a, g, 0.9)
-        calls = _Calls()
+        calls = Calls()
         with calls:
             fold_all(items, 0.9)
         return calls.calls

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import kaisa
 from kaisa.core.grouped import GroupedDirections
+from tests.support.calls import Calls
 
 
 class _Net(nn.Module):
@@ -120,17 +120,6 @@ def test_blocks_sharing_a_parameter_are_written_in_model_order() -> None:
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
 
 
-class _Calls(TorchDispatchMode):
-    """Operator calls that reach the dispatcher (views included), by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        self.calls[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _plain_step_calls(layers: int, width: int = 12) -> collections.Counter[str]:
@@ -144,7 +133,7 @@ def _plain_step_calls(layers: int, width: int = 12) -> collections.Counter[str]:
     for _ in range(2):  # the first step decomposes; the second is a plain one
         model.zero_grad()
         model(x).square().sum().backward()
-        counter = _Calls()
+        counter = Calls()
         with counter:
             pre.step()
     return counter.calls

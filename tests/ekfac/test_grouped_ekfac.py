@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import kaisa
 from kaisa.core.grouped import GroupedDirections
+from tests.support.calls import Calls
 
 
 def _model() -> nn.Module:
@@ -94,15 +94,6 @@ def test_grouped_ekfac_resumes_bit_for_bit() -> None:
         assert torch.equal(a, b)
 
 
-class _Calls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        self.calls[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_steady_ekfac_steps_calls_do_not_grow_with_the_blocks_of_a_shape() -> None:
@@ -117,7 +108,7 @@ def test_a_steady_ekfac_steps_calls_do_not_grow_with_the_blocks_of_a_shape() -> 
         for _ in range(3):  # bases, then moments created, then a steady step
             opt.zero_grad()
             model(x).square().sum().backward()
-            counter = _Calls()
+            counter = Calls()
             with counter:
                 opt.step()
         return counter.calls
