@@ -119,10 +119,10 @@ class BlockGroup:
             shape = (k * groups, out // groups, w.numel() // (k * out))
             return w if w.shape == shape else w.reshape(shape)
         biases = _grads(b.parameters()[1] for b in self.blocks)
-        if k == 1:
-            parts = [weights[0].view(1, out, -1), biases[0].view(1, out, 1)]
+        if k == 1:  # reshape: a view where the layout allows (channels-last grads do not)
+            parts = [weights[0].reshape(1, out, -1), biases[0].reshape(1, out, 1)]
         else:
-            parts = [torch.stack(weights).view(k, out, -1), torch.stack(biases).unsqueeze(2)]
+            parts = [torch.stack(weights).reshape(k, out, -1), torch.stack(biases).unsqueeze(2)]
         matrix = torch.cat(parts, dim=2)
         return matrix if groups == 1 else matrix.view(k * groups, out // groups, -1)
 

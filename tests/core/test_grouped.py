@@ -54,10 +54,12 @@ def _per_block(pre: kaisa.KFACPreconditioner) -> kaisa.KFACPreconditioner:
     return pre
 
 
-def _run(grouped: bool, steps: int = 7, *, inject: bool = False,
+def _run(grouped: bool, steps: int = 7, *, inject: bool = False, channels_last: bool = False,
          **kwargs: Any) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = _Net().double()
+    if channels_last:  # the conv weights and their gradients in channels-last layout
+        model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     pre = kaisa.KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=3,
                                    damping=0.01, **kwargs)
@@ -66,6 +68,8 @@ def _run(grouped: bool, steps: int = 7, *, inject: bool = False,
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         x = torch.randn(6, 3, 8, 8, generator=gen, dtype=torch.float64)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
         y = torch.randint(0, 5, (6,), generator=gen)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -83,6 +87,7 @@ def _run(grouped: bool, steps: int = 7, *, inject: bool = False,
     {"compute_eigenvalue_outer_product": False},
     {"compute_method": "inverse"},
     {"compute_method": "inverse", "kl_clip": None},
+    {"channels_last": True},
 ])
 def test_grouped_step_equals_the_per_block_path(kwargs: dict[str, Any]) -> None:
     for got, want in zip(_run(True, **kwargs), _run(False, **kwargs), strict=True):
