@@ -115,14 +115,14 @@ def write_directions(directions: GroupedDirections, *, kl_clip: float | None,
         nu = _nu(total, kl_clip, lr)
         oks = (list(torch.split(ok_all, [len(g.blocks) for g, _, _ in groups]))
                if len(groups) > 1 else [ok_all])
-        by_dtype = {p.dtype: nu.to(p.device, p.dtype) for p in precond[:1]}
-        for p in precond:
-            if p.dtype not in by_dtype:
-                by_dtype[p.dtype] = nu.to(p.device, p.dtype)
-        if len(by_dtype) == 1:
-            precond = list(torch._foreach_mul(precond, next(iter(by_dtype.values()))))
+        scales: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        for p in precond:  # nu once per device and dtype (one of each, almost always)
+            if (p.device, p.dtype) not in scales:
+                scales[p.device, p.dtype] = nu.to(p.device, p.dtype)
+        if len(scales) == 1:
+            precond = list(torch._foreach_mul(precond, next(iter(scales.values()))))
         else:
-            precond = [p * by_dtype[p.dtype] for p in precond]
+            precond = [p * scales[p.device, p.dtype] for p in precond]
     else:
         nu = None
         oks = [torch.isfinite(_per_block(p, group)).all(dim=(1, 2), keepdim=True)

@@ -264,7 +264,7 @@ class EKFAC(torch.optim.Optimizer):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         steps: dict[str, AdamStep] = {}
         counted: dict[int, torch.Tensor] = {}  # each parameter's step count, once
-        stepped: list[tuple[str, dict[str, Any], int]] = []  # (block, group, its weight's count)
+        stepped: list[tuple[str, dict[str, Any], int]] = []  # (block, group, id of its weight)
         for block in (b for b in self.curvature.blocks.values() if not b.diagonal):
             if block.weight.grad is None:
                 continue
@@ -280,10 +280,11 @@ class EKFAC(torch.optim.Optimizer):
                     if "step" not in self.state[p]:
                         self.state[p]["step"] = step_count()
                     counted[id(p)] = self.state[p]["step"]
-            stepped.append((block.name, group, list(counted).index(id(block.weight))))  # few
+            stepped.append((block.name, group, id(block.weight)))
         if counted:  # one multi-tensor increment, one read of the (CPU) counts
             torch._foreach_add_(list(counted.values()), 1)
-            values = torch.stack(list(counted.values())).tolist()
+            values = dict(zip(counted, torch.stack(list(counted.values())).tolist(),
+                              strict=True))
         for name, group, index in stepped:
             beta1, beta2 = group["betas"]
             steps[name] = AdamStep(float(group["lr"]), float(beta1), float(beta2),
