@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kaisa.utils.enums import KFACApprox, Side
-from kaisa.utils.finite import all_finite
+from kaisa.utils.finite import all_finite, finite_each
 
 __all__ = [
     "LARGE_FACTOR_DIM", "BatchStatistics", "BlockOptions", "RunningFactors", "tensor_bytes",
@@ -153,8 +153,8 @@ def fold_all(
     """:meth:`RunningFactors.fold` of many blocks' batch factors, in a few calls.
 
     The same arithmetic and skipping (the running factors come out bit for bit the same),
-    grouped: the finiteness of every batch factor is one multi-tensor L1 norm accumulated in
-    float64 (NaN and infinities reach it, finite float32 values cannot overflow it), and
+    grouped: the finiteness of every batch factor is :func:`kaisa.utils.finite.finite_each`
+    (one multi-tensor L1 norm accumulated in float64 for 32-bit factors), and
     ``rho F`` and ``(1 - rho) F_batch`` are multi-tensor calls over factors of one dtype and
     device, in chunks of :data:`FOLD_CHUNK_BYTES`; the choice between the new and the old
     factor stays one ``where`` per factor. A factor folded for the first time (or whose
@@ -200,9 +200,7 @@ def _chunks(slots: list[_Slot]) -> list[list[_Slot]]:
 def _fold_chunk(chunk: list[_Slot], rho: float) -> None:
     running = [r for _, _, r, _ in chunk]
     batches = [b for _, _, _, b in chunk]
-    norms = torch._foreach_norm(batches, 1, dtype=torch.float64)
-    finite = torch.stack(norms) if len(norms) > 1 else norms[0].reshape(1)
-    finite = (finite * 0) == 0  # isfinite in two calls (inf * 0 and NaN * 0 are NaN)
+    finite = finite_each(batches)
     updated = torch._foreach_mul(running, rho)
     torch._foreach_add_(updated, torch._foreach_mul(batches, 1.0 - rho))
     skipped = [f.skipped_a if side is Side.A else f.skipped_g for f, side, _, _ in chunk]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kaisa.core.hooks import loss_scale
-from kaisa.utils.finite import all_finite
+from kaisa.utils.finite import finite_each
 
 __all__ = ["HALF", "LossScaling", "full_precision_outputs"]
 
@@ -88,7 +88,7 @@ class LossScaling:
                 "not call scaler.unscale_(opt) or scaler.update()"
             ) from err
         grads = [p.grad for p in params if p.grad is not None]
-        return bool(grads) and not bool(torch.stack([all_finite(g) for g in grads]).all())
+        return bool(grads) and not bool(finite_each(grads).all())
 
     def skipped_step(self, step: int) -> str:
         """Why a step with non-finite gradients takes no update.

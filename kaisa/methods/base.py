@@ -37,7 +37,7 @@ from typing import TypeAlias
 import torch
 
 from kaisa.utils.enums import Side
-from kaisa.utils.finite import all_finite
+from kaisa.utils.finite import finite_each
 
 logger = logging.getLogger("kaisa")
 
@@ -128,7 +128,8 @@ class SecondOrderMethod(abc.ABC):
                 out[i] = res
         diag = [i for i, flag in enumerate(flags) if flag]
         payloads = [self.decompose_diagonal(factors[i], damping[i], inv_dtype) for i in diag]
-        finite = torch.stack([torch.stack([all_finite(t) for t in p]).all() for p in payloads])
+        each = finite_each([t for p in payloads for t in p])  # one device: the block's
+        finite = torch.stack([f.all() for f in torch.split(each, [len(p) for p in payloads])])
         for i, payload, ok in zip(diag, payloads, finite.tolist(), strict=True):
             out[i] = payload if ok else None
             if not ok:

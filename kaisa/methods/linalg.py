@@ -18,7 +18,7 @@ import torch
 
 from kaisa import ops
 from kaisa.utils.dtypes import working_dtype
-from kaisa.utils.finite import all_finite
+from kaisa.utils.finite import all_finite, finite_each
 
 __all__ = [
     "EigenResult",
@@ -47,8 +47,7 @@ def _all_finite(tensors: Sequence[torch.Tensor]) -> list[bool]:
     """Per-tensor finiteness with a single host synchronisation."""
     if not tensors:
         return []
-    flags = torch.stack([all_finite(t) for t in tensors])
-    return [bool(f) for f in flags.tolist()]
+    return [bool(f) for f in finite_each(tensors).tolist()]
 
 
 def _eigh(mats: torch.Tensor, dtype: torch.dtype) -> EigenResult | None:
@@ -216,7 +215,7 @@ def warm_eigen_decompositions(
         q = (q * signs.unsqueeze(-2)).flip(-1)
         values = torch.take_along_dim(estimates, order, dim=-1).flip(-1).clamp(min=0.0)
         vecs_split, vals_split = torch.split(q, sizes), torch.split(values, sizes)
-        finite = torch.stack([all_finite(t) for t in (*vecs_split, *vals_split)])
+        finite = finite_each([*vecs_split, *vals_split])
         flags.append(finite.view(2, -1).all(dim=0))
         done.append((members, vals_split, vecs_split))
     ok = torch.cat(flags).tolist() if flags else []  # one host synchronisation for all groups

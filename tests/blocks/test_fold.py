@@ -81,3 +81,16 @@ def test_fold_all_makes_one_where_per_factor_and_no_other_per_factor_call() -> N
     assert {k: v for k, v in few.items() if k not in ("aten.where", "aten.unbind")} == {
         k: v for k, v in many.items() if k not in ("aten.where", "aten.unbind")}
     assert "aten._local_scalar_dense" not in many  # no host synchronisation
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_finite_each_equals_all_finite_per_tensor(dtype: torch.dtype) -> None:
+    from kaisa.utils.finite import all_finite, finite_each
+
+    big = torch.finfo(dtype).max
+    ts = [torch.randn(4, 4).to(dtype), torch.full((3,), big, dtype=dtype),  # no overflow
+          torch.tensor([1.0, float("nan")], dtype=dtype), torch.tensor([float("-inf")]).to(dtype),
+          torch.empty(0, dtype=dtype), torch.tensor(2.0, dtype=dtype)]
+    mixed = [*ts, torch.tensor([float("inf")], dtype=torch.float64)]
+    for case in (ts, mixed, ts[:1]):
+        assert finite_each(case).tolist() == [bool(all_finite(t)) for t in case]
