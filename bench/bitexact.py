@@ -9,6 +9,11 @@ Each scenario builds a small model, trains it for a few steps with ``KFACPrecond
 compute method, AMP scaling, gradient accumulation, a checkpoint round trip) through the
 public API only, and records the SHA-256 of every parameter's bytes and of the optimizer
 and preconditioner state. Two checkouts agree bit for bit when every digest is equal.
+
+The ``f64/`` scenarios (each product on the CNN and the MLP in float64) also record the
+parameters' values: where a change may round differently (a reduction in another order),
+``--compare`` accepts their digests differing when every value agrees to ``--rtol``
+(relative to the largest magnitude of its tensor; 1e-12 by default) and says how closely.
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ def _mlp(out: int = 4, dtype: torch.dtype = torch.float32) -> nn.Module:
                          nn.Linear(8, out)).to(dtype)
 
 
-def _cnn() -> nn.Module:
+def _cnn(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2),
-                         nn.Flatten(), nn.Linear(4 * 3 * 3, 5))
+                         nn.Flatten(), nn.Linear(4 * 3 * 3, 5)).to(dtype)
 
 
 def _data(step: int, *, image: bool = False, classes: int = 0, dtype: torch.dtype = torch.float32,
@@ -78,10 +83,19 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _result(model: nn.Module, state: Any, **extra: str) -> dict[str, Any]:
+    """Digests of the parameters and ``state``; float64 parameters' values too."""
+    out: dict[str, Any] = {"params": _digest(_params(model)), "state": _digest(state), **extra}
+    params = _params(model)
+    if all(p.dtype == torch.float64 for p in params):
+        out["values"] = [p.flatten().tolist() for p in params]
+    return out
+
+
 def preconditioner(method: str, *, image: bool = False, accumulation: int = 1,
                    in_hook: bool = True, scaler: bool = False,
-                   schedule: bool = False) -> dict[str, str]:
-    model = _cnn() if image else _mlp()
+                   schedule: bool = False, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    model = _cnn(dtype) if image else _mlp(dtype=dtype)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if scaler else None
     pre = kaisa.KFACPreconditioner(
@@ -93,7 +107,8 @@ def preconditioner(method: str, *, image: bool = False, accumulation: int = 1,
     for step in range(STEPS):
         sgd.zero_grad()
         for micro in range(accumulation):
-            x, y = _data(step * 10 + micro, image=image, classes=5 if image else 0)
+            x, y = _data(step * 10 + micro, image=image, classes=5 if image else 0,
+                         dtype=dtype)
             out = model(x)
             loss = F.cross_entropy(out, y) if image else F.mse_loss(out, y)
             if grad_scaler is not None:
@@ -108,15 +123,16 @@ def preconditioner(method: str, *, image: bool = False, accumulation: int = 1,
             grad_scaler.update()
         else:
             sgd.step()
-    return {"params": _digest(_params(model)), "state": _digest(pre.state_dict())}
+    return _result(model, pre.state_dict())
 
 
 def optimizer(*, loss: str = "mse", image: bool = False, closure: bool = True,
-              resume: bool = False, scaler: bool = False, **kw: Any) -> dict[str, str]:
+              resume: bool = False, scaler: bool = False, dtype: torch.dtype = torch.float32,
+              **kw: Any) -> dict[str, Any]:
     classes = (5 if image else 4) if loss == "cross_entropy" else 0
 
     def build() -> tuple[nn.Module, kaisa.KFAC]:
-        model = _cnn() if image else _mlp()
+        model = _cnn(dtype) if image else _mlp(dtype=dtype)
         grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if scaler else None
         return model, kaisa.KFAC(model, loss=loss, damping_interval=2, grad_scaler=grad_scaler,
                                  **kw)
@@ -125,7 +141,7 @@ def optimizer(*, loss: str = "mse", image: bool = False, closure: bool = True,
 
     def run(steps: range, model: nn.Module, opt: kaisa.KFAC) -> None:
         for step in steps:
-            x, y = _data(step, image=image, classes=classes)
+            x, y = _data(step, image=image, classes=classes, dtype=dtype)
             if closure:
                 opt.step(lambda x=x, y=y: (model(x), y))
             else:
@@ -149,8 +165,20 @@ def optimizer(*, loss: str = "mse", image: bool = False, closure: bool = True,
         run(range(STEPS // 2, STEPS), model, opt)
     else:
         run(range(STEPS), model, opt)
-    return {"params": _digest(_params(model)), "state": _digest(opt.state_dict()),
-            "last": json.dumps(opt.last, sort_keys=True)}
+    return _result(model, opt.state_dict(), last=json.dumps(opt.last, sort_keys=True))
+
+
+def ekfac(*, image: bool = False, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """``kaisa.EKFAC`` with its defaults (factors every step, bases every 10), lr 1e-2."""
+    model = _cnn(dtype) if image else _mlp(dtype=dtype)
+    opt = kaisa.EKFAC(model, lr=1e-2, basis_update_steps=3)
+    for step in range(STEPS):
+        x, y = _data(step, image=image, classes=5 if image else 0, dtype=dtype)
+        opt.zero_grad()
+        out = model(x)
+        (F.cross_entropy(out, y) if image else F.mse_loss(out, y)).backward()
+        opt.step()
+    return _result(model, opt.state_dict())
 
 
 SCENARIOS: dict[str, Callable[[], dict[str, str]]] = {
@@ -175,7 +203,49 @@ SCENARIOS: dict[str, Callable[[], dict[str, str]]] = {
     "kfac/fixed/mc/ce": lambda: optimizer(loss="cross_entropy", lr=0.1, momentum=0.5),
     "kfac/fixed/empirical/scaler/no_closure": lambda: optimizer(
         curvature="empirical", lr=0.1, momentum=0.9, closure=False, scaler=True),
+    "f64/pre/eigen/cnn/accumulation": lambda: preconditioner(
+        "eigen", image=True, accumulation=2, dtype=torch.float64),
+    "f64/pre/inverse/mlp": lambda: preconditioner("inverse", dtype=torch.float64),
+    "f64/kfac/adaptive/ce/cnn": lambda: optimizer(loss="cross_entropy", image=True,
+                                                  dtype=torch.float64),
+    "f64/ekfac/cnn": lambda: ekfac(image=True, dtype=torch.float64),
+    "f64/ekfac/mlp": lambda: ekfac(dtype=torch.float64),
 }
+
+
+def _closeness(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """Largest relative difference of the recorded values (``None``: not comparable)."""
+    if "values" not in before or "values" not in after:
+        return None
+    if len(before["values"]) != len(after["values"]):
+        return None
+    worst = 0.0
+    for b, a in zip(before["values"], after["values"], strict=True):
+        if len(b) != len(a):
+            return None
+        tb, ta = torch.tensor(b, dtype=torch.float64), torch.tensor(a, dtype=torch.float64)
+        if not bool(torch.isfinite(tb).all() and torch.isfinite(ta).all()):
+            return None
+        top = float(tb.abs().max()) if tb.numel() else 0.0
+        worst = max(worst, float((ta - tb).abs().max()) / top if top > 0 else 0.0)
+    return worst
+
+
+def compare(before: dict[str, Any], after: dict[str, Any], rtol: float) -> int:
+    """Prints SAME, CLOSE (float64 values within ``rtol``) or DIFFER per scenario."""
+    failed = False
+    for name in after:
+        if before.get(name) == after[name]:
+            print(f"SAME   {name}")
+            continue
+        close = None if name not in before else _closeness(before[name], after[name])
+        if close is not None and close <= rtol:
+            print(f"CLOSE  {name} (largest relative difference {close:.2e})")
+            continue
+        failed = True
+        detail = "" if close is None else f" (largest relative difference {close:.2e})"
+        print(f"DIFFER {name}{detail}")
+    return 1 if failed else 0
 
 
 def main() -> int:
@@ -183,13 +253,12 @@ def main() -> int:
     parser.add_argument("--out", help="write the digests here (JSON)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     parser.add_argument("--only", default="", help="run the scenarios starting with this")
+    parser.add_argument("--rtol", type=float, default=1e-12,
+                        help="float64 scenarios: the relative difference accepted")
     args = parser.parse_args()
     if args.compare:
         before, after = (json.loads(Path(p).read_text()) for p in args.compare)
-        differ = [name for name in after if before.get(name) != after[name]]
-        for name in after:
-            print(f"{'SAME  ' if name not in differ else 'DIFFER'} {name}")
-        return 1 if differ else 0
+        return compare(before, after, args.rtol)
     torch.set_num_threads(1)
     results = {name: fn() for name, fn in SCENARIOS.items() if name.startswith(args.only)}
     text = json.dumps(results, indent=1, sort_keys=True)

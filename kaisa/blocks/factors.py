@@ -219,17 +219,11 @@ def conv_g_factor(
     """
     if grad_output.dim() == 3:
         grad_output = grad_output.unsqueeze(0)
-    n, c, oh, ow = grad_output.shape
+    n, _, oh, ow = grad_output.shape
     s = oh * ow
-    d = _unscale(grad_output.to(dtype).permute(0, 2, 3, 1).reshape(n * s, c), loss_scale)
+    d = _unscale(grad_output.to(dtype), loss_scale)
     scale = 1.0 / (max(n, 1) * float(s) ** 3)
-    if groups == 1:
-        return ops.covariance(d, scale).unsqueeze(0)
-    m = c // groups
-    d, f = ops.prescaled(d, n * s, scale)  # as ops.covariance: no overflow before the scale
-    dg = d.reshape(n * s, groups, m).transpose(0, 1)  # (groups, N*S, m)
-    out = torch.bmm(dg.transpose(1, 2), dg).mul_(scale)
-    return ops.rescaled((out + out.transpose(1, 2)).mul_(0.5), f, bias=False)
+    return ops.channel_covariance(d, groups, scale)
 
 
 def _unscale(d: torch.Tensor, loss_scale: float | torch.Tensor) -> torch.Tensor:

@@ -63,8 +63,8 @@ class BatchStatistics:
 
     def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Mean batch factors over the recorded micro-batches; clears them."""
-        a = None if self.a_sum is None else self.a_sum / self.a_count
-        g = None if self.g_sum is None else self.g_sum / self.g_count
+        a = _mean(self.a_sum, self.a_count)
+        g = _mean(self.g_sum, self.g_count)
         self.a_sum = self.g_sum = None
         self.a_count = self.g_count = 0
         return a, g
@@ -157,8 +157,9 @@ def fold_all(
     (one multi-tensor L1 norm accumulated in float64 for 32-bit factors), and
     ``rho F`` and ``(1 - rho) F_batch`` are multi-tensor calls over factors of one dtype and
     device, in chunks of :data:`FOLD_CHUNK_BYTES`; the choice between the new and the old
-    factor stays one ``where`` per factor. A factor folded for the first time (or whose
-    shape, dtype or device changed) takes :meth:`RunningFactors.fold`.
+    factor stays one ``where`` per factor (on the CPU, where the flags are read from memory
+    without a wait, only when some batch factor is not finite). A factor folded for the
+    first time (or whose shape, dtype or device changed) takes :meth:`RunningFactors.fold`.
 
     Args:
         items: ``(running factors, A batch, G batch)`` per block (``None``: no batch).
@@ -203,6 +204,14 @@ def _fold_chunk(chunk: list[_Slot], rho: float) -> None:
     finite = finite_each(batches)
     updated = torch._foreach_mul(running, rho)
     torch._foreach_add_(updated, torch._foreach_mul(batches, 1.0 - rho))
+    if finite.device.type == "cpu" and not torch.compiler.is_compiling() and all(
+            finite.tolist()):  # read from memory (no device to wait for): no choice to make
+        for (factors, side, _, _), new in zip(chunk, updated, strict=True):
+            if side is Side.A:
+                factors.a = new
+            else:
+                factors.g = new
+        return
     skipped = [f.skipped_a if side is Side.A else f.skipped_g for f, side, _, _ in chunk]
     counts = torch._foreach_add(skipped, list((~finite).to(torch.int64).unbind()))  # type: ignore[arg-type]
     for (factors, side, old, _), new, ok, count in zip(chunk, updated, finite.unbind(), counts,
@@ -211,6 +220,13 @@ def _fold_chunk(chunk: list[_Slot], rho: float) -> None:
             factors.a, factors.skipped_a = torch.where(ok, new, old), count
         else:
             factors.g, factors.skipped_g = torch.where(ok, new, old), count
+
+
+def _mean(total: torch.Tensor | None, count: int) -> torch.Tensor | None:
+    """``total / count``; one recorded factor is returned as it is (``x / 1`` is ``x``)."""
+    if total is None or count == 1:
+        return total
+    return total / count
 
 
 def tensor_bytes(*ts: torch.Tensor | None) -> int:

@@ -223,7 +223,7 @@ class StatisticsRecorder:
                 return
             if not args or not isinstance(args[0], torch.Tensor):
                 return  # e.g. a keyword-only call: nothing to record, never raise
-            self._observe(layer, site, args[0].detach(), (output,), None)
+            self._observe(layer, site, self._plain(args[0]), (output,), None)
 
         return hook
 
@@ -233,7 +233,7 @@ class StatisticsRecorder:
     ) -> None:
         """One functional observation (:class:`~kaisa.blocks.callsites.FunctionalTap`)."""
         layer, site = key
-        self._observe(layer, site, cut.input(x.detach()), outputs, cut)
+        self._observe(layer, site, cut.input(self._plain(x)), outputs, cut)
 
     def _observe(
         self, layer: CurvatureBlock, site: int, x: torch.Tensor,
@@ -246,6 +246,14 @@ class StatisticsRecorder:
         hook_outputs(outputs, self._grad_hook(layer, x, site, cut))
         if self.keep_outputs:
             self.kept_outputs.extend(get_gradient_edge(t) for t in outputs if t.requires_grad)
+
+    def _plain(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` without its autograd history where that matters: kept for ``step()``.
+
+        Statistics computed in ``step()``, not in the hooks, keep their tensors until then.
+        A tensor used at once under ``no_grad`` needs no ``detach`` (a call per factor).
+        """
+        return t.detach() if t.requires_grad and not self._in_hook else t
 
     def _mismatch(self, key: tuple[CurvatureBlock, int], site: CallSite) -> None:
         name = key[0].name
@@ -260,7 +268,7 @@ class StatisticsRecorder:
         def hook(grad: torch.Tensor) -> None:
             if self.g_passes == 0:
                 return
-            d = grad.detach() if cut is None else cut.grad(grad.detach())
+            d = self._plain(grad) if cut is None else cut.grad(self._plain(grad))
             self._timed(self._record_grad, layer, d, x, site)
             if not self._in_hook:
                 return

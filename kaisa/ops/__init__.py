@@ -55,6 +55,7 @@ __all__ = [
     "BACKENDS",
     "OPS",
     "backend",
+    "channel_covariance",
     "conv_covariance",
     "covariance",
     "cuda_kernels_error",
@@ -180,6 +181,44 @@ def conv_covariance(
     else:
         out = _reference.conv_covariance(xt, *conv, bool(bias), s)
     return rescaled(out, f, bias=bool(bias))
+
+
+def channel_covariance(x: torch.Tensor, groups: int, scale: float) -> torch.Tensor:
+    """Per-group Gram matrices of the channels of ``x`` over its batch and positions.
+
+    ``scale * D_k^T D_k`` with ``D = x.permute(0, 2, 3, 1).reshape(N*H*W, C)`` and ``D_k``
+    its columns ``k*C/g .. (k+1)*C/g``: a convolution's G factors from its output gradient.
+    On a GPU (any device but the CPU) this is :func:`conv_covariance` with a 1x1 kernel,
+    which reads the rows in place: one kernel, no copy. On the CPU ``D`` is copied once and
+    each group is :func:`covariance` (one group) or one batched product, as the CPU's
+    factors have always been computed (bit for bit); the copy costs less than the per-image
+    products the 1x1 kernel runs there.
+
+    Args:
+        x: ``(N, C, H, W)`` floating point tensor.
+        groups: Groups of channels (divides ``C``).
+        scale: Multiplier of each Gram matrix.
+
+    Returns:
+        Exactly symmetric ``(groups, C/groups, C/groups)`` tensor of ``x``'s dtype.
+
+    Raises:
+        TypeError: if ``x`` is not a floating point tensor.
+        ValueError: on bad shapes or ``groups``.
+    """
+    if x.device.type != "cpu":
+        return conv_covariance(x, (1, 1), (1, 1), (0, 0), (1, 1), groups, False, scale)
+    xt, conv = _conv_args(x, (1, 1), (1, 1), (0, 0), (1, 1), groups)
+    s = _check_scalar(scale, "scale")
+    n, c, h, w = xt.shape
+    d = xt.permute(0, 2, 3, 1).reshape(n * h * w, c)
+    if conv.groups == 1:
+        return covariance(d, s).unsqueeze(0)
+    m = c // conv.groups
+    d, f = prescaled(d, n * h * w, s)  # as covariance: no overflow before the scale
+    dg = d.reshape(n * h * w, conv.groups, m).transpose(0, 1)  # (groups, N*H*W, m)
+    out = torch.bmm(dg.transpose(1, 2), dg).mul_(s)
+    return rescaled((out + out.transpose(1, 2)).mul_(0.5), f, bias=False)
 
 
 def _shifted_path(x: torch.Tensor, conv: ConvArgs) -> bool:

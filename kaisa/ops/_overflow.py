@@ -7,22 +7,32 @@ When ``rows * max|x|^2`` could reach the dtype's maximum, the input is multiplie
 ``f = sqrt(scale)`` first and the result divided by ``f^2`` (by ``f`` in a bias row or
 column) afterwards; otherwise ``f = 1``, which changes no bit. The choice is made on the
 device (no host synchronisation) and is the same on every backend; on the CPU, where
-reading it costs no wait, an input that needs no scaling is passed on as it is (not
-copied by ``x * 1``: a full pass over every factor's input, a third of a conv layer's G
-factor time on ResNet-32).
+reading it costs no wait, an input that needs no scaling is passed on as it is, with no
+further call (not copied by ``x * 1``: a full pass over every factor's input, a third of
+a conv layer's G factor time on ResNet-32), and one call (``aminmax``, whose two values
+are read from memory) replaces the nine of the device's choice.
 """
 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
 __all__ = ["prescaled", "rescaled"]
 
 
-def prescaled(x: torch.Tensor, rows: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def prescaled(
+    x: torch.Tensor, rows: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor | float]:
     """``(x * f, f)``: ``f = sqrt(scale)`` where the unscaled sum could overflow, else 1.
+
+    On the CPU (eager) the choice is read on the host: one ``aminmax``, whose two values
+    are read from memory, and ``f`` is a Python number (an input that needs no scaling is
+    returned as it is, with ``f = 1.0``). Elsewhere (and in a compiled graph), and for an
+    input that needs scaling, ``f`` is a 0-d tensor of ``x``'s dtype chosen on the device
+    (no host synchronisation).
 
     Args:
         x: The input whose entries fill the Gram matrix (at most ``rows`` products of two
@@ -31,28 +41,34 @@ def prescaled(x: torch.Tensor, rows: int, scale: float) -> tuple[torch.Tensor, t
         scale: The Gram matrix's multiplier (at most 1 where it matters: ``1 / rows``).
 
     Returns:
-        The input to give the kernel, and ``f`` (a 0-d tensor of ``x``'s dtype) for
-        :func:`rescaled`.
+        The input to give the kernel, and ``f`` for :func:`rescaled`.
     """
     if x.numel() == 0 or rows == 0 or not 0.0 < scale < 1.0:
-        return x, torch.ones((), dtype=x.dtype, device=x.device)
+        return x, 1.0
     # rows * max|x|^2 > limit, as max|x| > sqrt(limit / rows): one reduction, one compare
     threshold = math.sqrt(torch.finfo(x.dtype).max / 4.0 / rows)  # margin for rounding
-    lo, hi = torch.aminmax(x.detach())  # min/max: far cheaper than a norm on CPU
-    risky = torch.maximum(hi, -lo) > threshold
-    # on the CPU there is no device to wait for: skip x * 1 (not in a compiled graph)
-    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(risky):
-        return x, torch.ones((), dtype=x.dtype, device=x.device)
+    plain = x.detach() if x.requires_grad and torch.is_grad_enabled() else x
+    lo, hi = torch.aminmax(plain)  # min and max: far cheaper than a norm on the CPU
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        # no device to wait for: decide here, and pass a safe input on uncopied (a NaN
+        # compares false, as on the device: it stays in the factor, which is skipped)
+        # plain reads of CPU memory, no call (a 0-d tensor's tolist() is a number)
+        top, bottom = cast(float, hi.tolist()), cast(float, lo.tolist())
+        if not (top > threshold or -bottom > threshold):
+            return x, 1.0
+    risky = torch.maximum(hi, -lo) > threshold  # (the rare risky CPU input: as the device)
     f = 1.0 + risky.to(x.dtype) * (math.sqrt(scale) - 1.0)
     return x * f, f
 
 
-def rescaled(gram: torch.Tensor, f: torch.Tensor, *, bias: bool) -> torch.Tensor:
+def rescaled(gram: torch.Tensor, f: torch.Tensor | float, *, bias: bool) -> torch.Tensor:
     """Undoes :func:`prescaled` on ``gram`` (``(..., d, d)``, a bias row and column last).
 
     Divides by ``f^2``, and the bias row and column by ``f`` (their ones were not scaled);
-    with ``f = 1`` every bit stays.
+    ``f = 1.0`` (a number) returns ``gram`` itself, and a tensor ``f = 1`` changes no bit.
     """
+    if isinstance(f, float) and f == 1.0:
+        return gram
     out = gram / (f * f)
     if bias:  # the ones were not scaled: the bias row and column by f, their corner by 1
         out[..., -1, :] *= f

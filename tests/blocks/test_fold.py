@@ -66,21 +66,54 @@ def test_fold_all_zero_start_and_missing_batches() -> None:
 
 
 
-def test_fold_all_makes_one_where_per_factor_and_no_other_per_factor_call() -> None:
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("broken", [False, True])
+def test_fold_all_makes_one_where_per_factor_and_no_other_per_factor_call(
+    device: str, broken: bool
+) -> None:
+    """The calls do not grow with the blocks, but for one ``where`` per factor.
+
+    On a device (``meta`` stands in for a GPU here) the choice stays there: a ``where`` per
+    factor and no host read. On the CPU the flags are read from memory: no ``where`` at all
+    when every batch factor is finite, one per factor when one is not.
+    """
+
     def count(blocks: int) -> collections.Counter[str]:
         items = _factors(2, [(1, 6, 6)] * blocks, torch.float32)
         for running, a, g in items:  # every block folded once already
             running.fold(a, g, 0.9)
+        if broken:
+            items[0][1].fill_(float("nan"))
+        items = [(RunningFactors(*(None if t is None else t.to(device) for t in (
+            running.a, running.g, running.skipped_a, running.skipped_g))),
+            a.to(device), g.to(device)) for running, a, g in items]
         calls = Calls()
         with calls:
             fold_all(items, 0.9)
         return calls.calls
 
     few, many = count(4), count(12)
-    assert many["aten.where"] == 24 and few["aten.where"] == 8  # one per factor
+    per_factor = device != "cpu" or broken
+    assert many["aten.where"] == (24 if per_factor else 0)
+    assert few["aten.where"] == (8 if per_factor else 0)
     assert {k: v for k, v in few.items() if k not in ("aten.where", "aten.unbind")} == {
         k: v for k, v in many.items() if k not in ("aten.where", "aten.unbind")}
     assert "aten._local_scalar_dense" not in many  # no host synchronisation
+
+
+def test_fold_all_on_the_cpu_skips_a_non_finite_factor_as_the_device_does() -> None:
+    items = _factors(5, [(1, 4, 4), (2, 3, 3)], torch.float32)
+    for running, a, g in items:
+        running.fold(a, g, 0.9)
+    items[1][2].view(-1)[3] = float("inf")
+    before = [(r.a.clone(), r.g.clone()) for r, _, _ in items if r.a is not None and r.g is not None]
+    expected = [(r.a * 0.9 + a * 0.1, r.g * 0.9 + g * 0.1) for r, a, g in items
+                if r.a is not None and r.g is not None]
+    fold_all(items, 0.9)
+    (r0, _, _), (r1, _, _) = items
+    assert torch.equal(r0.a, expected[0][0]) and torch.equal(r0.g, expected[0][1])
+    assert torch.equal(r1.a, expected[1][0]) and torch.equal(r1.g, before[1][1])
+    assert r0.skipped == 0 and r1.skipped == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

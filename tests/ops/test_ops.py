@@ -207,6 +207,29 @@ def test_conv_covariance_both_backends_exact_float64(any_backend: str, case: Any
     assert torch.equal(got, got.transpose(1, 2))
 
 
+@pytest.mark.parametrize("groups", [1, 2, 6])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+def test_channel_covariance_exact_float64_as_the_gpu_computes_it(
+    any_backend: str, groups: int, layout: str
+) -> None:
+    """A conv's G factors: the CPU's path and the 1x1 ``conv_covariance`` a GPU takes."""
+    x = torch.randn(3, 6, 5, 7, dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = torch.randn(3, 12, 5, 7, dtype=torch.float64)[:, ::2]
+    d = x.permute(0, 2, 3, 1).reshape(-1, 6).reshape(-1, groups, 6 // groups).transpose(0, 1)
+    expected = 0.25 * d.transpose(1, 2) @ d
+    got = ops.channel_covariance(x, groups, 0.25)
+    gpu = ops.conv_covariance(x, (1, 1), (1, 1), (0, 0), (1, 1), groups, False, 0.25)
+    for out in (got, gpu):
+        assert out.shape == (groups, 6 // groups, 6 // groups)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        assert torch.equal(out, out.transpose(1, 2))
+    with pytest.raises(ValueError, match="groups"):
+        ops.channel_covariance(x, 4, 0.25)
+
+
 # --------------------------------------------------------------------------- #
 # Extension vs reference
 # --------------------------------------------------------------------------- #
