@@ -75,10 +75,11 @@ def full_precision(t: torch.Tensor) -> AbstractContextManager[Any]:
     """Autocast switched off for ``t``'s device while it is on (else a no-op context).
 
     A plain context object, not a generator, so ``torch.compile`` traces the hooks
-    without a graph break.
+    without a graph break. A device autocast does not know (``meta``) has none.
     """
-    if torch.is_autocast_enabled(t.device.type):
-        return torch.autocast(device_type=t.device.type, enabled=False)
+    kind = t.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.autocast(device_type=kind, enabled=False)
     return nullcontext()
 
 

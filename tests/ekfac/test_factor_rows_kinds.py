@@ -137,6 +137,37 @@ def test_an_attention_call_uses_its_drawn_rows_for_both_factors(approx: KFACAppr
     assert torch.equal(block.row_generator.get_state(), gen.get_state())  # type: ignore[union-attr]
 
 
+def test_an_untied_embedding_call_uses_its_drawn_rows_for_both_factors() -> None:
+    """G of each call from the rows its forward drew for A (G rows shifted off A's fail)."""
+    block = _blocks(2, tied=False, seed=7)["emb"]
+    assert isinstance(block, EmbeddingBlock) and not isinstance(block, TiedEmbeddingBlock)
+    gen = torch.Generator().manual_seed(7)
+    data = torch.Generator().manual_seed(8)
+    calls = [(torch.randint(0, V, (2, 3), generator=data), torch.randn(2, 3, E, generator=data))
+             for _ in range(2)]  # 6 rows per call, 2 drawn
+    for idx, _ in calls:  # two forward calls, then their backward passes (last first)
+        block.record_input(idx, in_hook=True)
+    for _, d in reversed(calls):
+        block.record_output_grad(d, 1.0, in_hook=True, inputs=None)
+    a_sum = g_sum = 0
+    for idx, d in calls:
+        rows = torch.randperm(6, generator=gen)[:2]
+        a_sum += block.compute_a_batch(select_indices(idx, rows))
+        g_sum += block.compute_g_batch(flat_rows(d, rows), 1.0)
+    a, g = block.stats.take()
+    assert torch.equal(a, a_sum / 2) and torch.equal(g, g_sum / 2)  # type: ignore[arg-type]
+    assert torch.equal(block.row_generator.get_state(), gen.get_state())  # type: ignore[union-attr]
+    # the pairing matters: the same draws with G's rows shifted give another G
+    shifted = sum(block.compute_g_batch(flat_rows(d, (rows + 1) % 6), 1.0)
+                  for (_, d), rows in zip(calls, _draws(7, 2), strict=True))
+    assert not torch.allclose(g, shifted / 2)  # type: ignore[operator]
+
+
+def _draws(seed: int, calls: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randperm(6, generator=gen)[:2] for _ in range(calls)]
+
+
 @pytest.mark.parametrize("dense", [True, False])
 def test_a_tied_blocks_uses_draw_their_own_rows(dense: bool) -> None:
     block = _blocks(4, seed=2)["emb"]
