@@ -10,7 +10,9 @@ One file per run, ``gpu-<device>-<date>.json``: the run's ``device``, ``date``,
   group -> row -> ``ms`` (``kaisa`` and each alternative), ``speedup_vs_best``,
   ``floor_ms`` and ``gap`` (kaisa / floor); ``syevj_knee`` its own shape.
 * ``step_cost``: ``tasks``: task -> ``configs``: name -> ``ms_per_step``, ``ratio``
-  (against ``baseline``), ``labels``, ``peak_gib``; or the task's ``error``.
+  (against ``baseline``), ``labels``, ``peak_gib`` and (runs since the captured column)
+  ``captured``: the ``label`` of the step captured in a CUDA graph and its replay's
+  ``median_ms`` (with ``ratio``) or why it was not (``error``); or the task's ``error``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def _step_cost(detail: dict[str, Any]) -> list[str]:
                     problems.append(f"step_cost: {task}/{name} lacks {field}")
             if row.get("baseline") and not isinstance(row.get("ratio"), float):
                 problems.append(f"step_cost: {task}/{name} has no ratio")
+            captured = row.get("captured")
+            if captured is not None and not (
+                    isinstance(captured, dict) and "label" in captured
+                    and ("median_ms" in captured) != ("error" in captured)):
+                problems.append(f"step_cost: {task}/{name} has a malformed captured entry")
         if not entry.get("configs"):
             problems.append(f"step_cost: {task} has no configurations")
     return problems

@@ -25,6 +25,14 @@ ratio is that against the baseline's. The first warm-up step of each label is ru
 ``calls`` per label. Peak memory: ``torch.cuda.max_memory_allocated``
 over each configuration's last round (all the task's models are resident).
 
+Captured: after the timed rounds, each configuration's most frequent step (a plain one for
+``KFACPreconditioner``, a factor step for EKFAC) is captured in a CUDA graph
+(``torch.cuda.graph``, after three warm-up steps of that label on a side stream) and
+replayed ``CAPTURE_REPLAYS`` times: ``captured`` holds its median ms and ratio, or why
+it could not be captured (a host synchronisation in the step, an operation a graph
+cannot hold). Replays repeat the recorded kernels only (no Python runs), so they time the
+launch-free step, not training.
+
     python bench/gpu/step_cost.py --out /tmp/step_cost.json           # on a GPU
     python bench/gpu/step_cost.py --device cpu --tiny --out /tmp/s.json  # plumbing only
 """
@@ -263,6 +271,55 @@ def time_task(configs: list[Config], s: Setup) -> None:
                 c.peak_bytes = torch.cuda.max_memory_allocated(s.device)
 
 
+CAPTURE_REPLAYS = 20
+
+
+def run_until(c: Config, i: int, label: str, count: int) -> int:
+    """Runs ``c``'s steps from ``i`` until the next ``count`` all have ``label``; that step.
+
+    A schedule's own counter (the preconditioner's) follows the calls, so the steps
+    captured next are the kind the labels say.
+    """
+    while any(c.label(i + k) != label for k in range(count)):
+        c.step(i)
+        i += 1
+    return i
+
+
+def captured_ms(c: Config, s: Setup, next_step: int) -> dict[str, Any]:
+    """The median ms of a CUDA-graph replay of ``c``'s most frequent step, or why not.
+
+    Steps run uncaptured until the next four steps all have that label (a schedule's own
+    counter follows the calls), then three warm up on a side stream and the fourth is
+    captured.
+    """
+    labels = [c.label(i) for i in range(c.period)]
+    target = max(dict.fromkeys(labels), key=labels.count)
+    if s.device.type != "cuda":
+        return {"label": target, "error": "not run: CUDA graphs need a CUDA device"}
+    try:
+        i = run_until(c, next_step, target, 4)
+        side = torch.cuda.Stream(s.device)
+        side.wait_stream(torch.cuda.current_stream(s.device))
+        with torch.cuda.stream(side):
+            for k in range(3):
+                c.step(i + k)
+        torch.cuda.current_stream(s.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c.step(i + 3)
+        s.sync()
+        times = []
+        for _ in range(CAPTURE_REPLAYS):
+            start = time.perf_counter()
+            graph.replay()
+            s.sync()
+            times.append(time.perf_counter() - start)
+        return {"label": target, "median_ms": round(1e3 * statistics.median(times), 3)}
+    except Exception as err:  # what stops a capture is the finding
+        return {"label": target, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+
+
 def amortised_ms(c: Config) -> tuple[float, dict[str, Any]]:
     """Amortised median milliseconds per step, and each label's share, median and count."""
     labels = [c.label(i) for i in range(c.period)]
@@ -283,6 +340,8 @@ def run_task(name: str, s: Setup) -> dict[str, Any]:
     t0 = time.perf_counter()
     configs, sizes = TASKS[name](s)
     time_task(configs, s)
+    next_step = s.warmup + s.rounds * s.round_steps
+    captured = {c.name: captured_ms(c, s, next_step) for c in configs}
     rows: dict[str, Any] = {}
     for c in configs:
         ms, split = amortised_ms(c)
@@ -290,10 +349,14 @@ def run_task(name: str, s: Setup) -> dict[str, Any]:
             split.setdefault(label, {})["calls"] = n
         rows[c.name] = {"ms_per_step": round(ms, 3), "baseline": c.baseline, "labels": split,
                         "peak_gib": (round(c.peak_bytes / 2**30, 3)
-                                     if c.peak_bytes is not None else None)}
+                                     if c.peak_bytes is not None else None),
+                        "captured": captured[c.name]}
     for row in rows.values():
         base = row["baseline"]
         row["ratio"] = round(row["ms_per_step"] / rows[base]["ms_per_step"], 3) if base else None
+        mine, theirs = row["captured"], rows[base]["captured"] if base else {}
+        if base and "median_ms" in mine and "median_ms" in theirs:
+            mine["ratio"] = round(mine["median_ms"] / theirs["median_ms"], 3)
     del configs
     if s.device.type == "cuda":
         torch.cuda.empty_cache()

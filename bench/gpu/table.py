@@ -64,22 +64,33 @@ def kernel_rows(result: dict[str, Any]) -> list[str]:
 
 
 def step_rows(result: dict[str, Any]) -> list[str]:
-    """Per task and configuration: ms per step, ratio to the baseline, peak memory."""
+    """Per task and configuration: ms per step, ratio to the baseline, peak memory, and the
+    replay of its most frequent step captured in a CUDA graph (ms, ratio)."""
     detail = result["stages"].get("step_cost", {}).get("detail") or {}
     tasks = detail.get("tasks", {})
     if not tasks:
         return []
-    lines = ["", "| task | configuration | ms / step | ratio | vs | peak GiB |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["", "| task | configuration | ms / step | ratio | vs | peak GiB | captured |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for task, entry in tasks.items():
         if "error" in entry:
-            lines.append(f"| {task} | {entry['error'][:80]} | | | | |")
+            lines.append(f"| {task} | {entry['error'][:80]} | | | | | |")
             continue
         for name, row in entry["configs"].items():
             lines.append(f"| {task} | {name} | {_fmt(row['ms_per_step'])} | "
                          f"{_fmt(row['ratio'])} | {_fmt(row['baseline'])} | "
-                         f"{_fmt(row['peak_gib'])} |")
+                         f"{_fmt(row['peak_gib'])} | {_captured(row.get('captured'))} |")
     return lines
+
+
+def _captured(entry: dict[str, Any] | None) -> str:
+    """``label: ms (ratio)`` of a captured step, or the first words of why not."""
+    if not entry:
+        return ""
+    if "median_ms" in entry:
+        ratio = f" ({_fmt(entry['ratio'])}x)" if "ratio" in entry else ""
+        return f"{entry['label']}: {_fmt(entry['median_ms'])} ms{ratio}"
+    return f"{entry['label']}: {entry['error'][:60]}"
 
 
 def render(result: dict[str, Any]) -> str:

@@ -10,12 +10,15 @@ the committed runs.
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,3 +143,43 @@ def test_the_results_page_is_the_rendering_of_the_committed_runs() -> None:
 
 def test_without_runs_the_page_says_never_run_on_a_gpu() -> None:
     assert "Never run on a GPU" in report.render_docs([])
+
+
+def test_the_step_stage_reports_a_captured_column_and_renders_it(tmp_path: Path) -> None:
+    """The dry run's captured entries (on the CPU: why not), the schema and the table."""
+    import schema
+    import table
+
+    step_cost = _gpu_step_cost()
+    out = tmp_path / "s.json"
+    assert step_cost.main(["--device", "cpu", "--tiny", "--tasks", "resnet50",
+                           "--out", str(out)]) == 0
+    detail = json.loads(out.read_text())
+    rows = detail["tasks"]["resnet50"]["configs"]
+    assert rows["sgd"]["captured"]["label"] == "-"
+    assert rows["kfac_pre 10/100 + sgd"]["captured"]["label"] == "-"  # plain: 9 in 10
+    assert "CUDA" in rows["sgd"]["captured"]["error"]
+    result = {"device": "cpu", "date": "today", "seconds": 1.0, "budget_s": 1.0,
+              "stages": {"step_cost": {"status": "passed", "detail": detail}}}
+    assert not [p for p in schema._step_cost(detail) if "captured" in p]
+    assert "captured" in table.render(result) and "-: not run" in table.render(result)
+
+
+def test_run_until_steps_to_a_run_of_the_label() -> None:
+    step_cost = _gpu_step_cost()
+    done: list[int] = []
+    c = step_cost.Config("x", None, done.append, {"F": 10, "I": 100})
+    assert step_cost.run_until(c, 8, "-", 4) == 11 and done == [8, 9, 10]
+    assert step_cost.run_until(c, 11, "-", 4) == 11 and done == [8, 9, 10]
+
+
+def _gpu_step_cost() -> Any:
+    """``bench/gpu/step_cost.py`` (its name is also ``bench/step_cost``'s, a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_step_cost",
+                                                  ROOT / "bench" / "gpu" / "step_cost.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.get(spec.name)
+    if module is None:  # registered first: its dataclasses look their module up
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
