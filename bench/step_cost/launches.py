@@ -49,7 +49,9 @@ from kaisa.train.models.gpt import gpt
 
 #: CUDA kernels one call of a kaisa operator launches at least (``csrc/cuda``):
 #: ``eigen_precondition`` four cuBLAS GEMMs and its scaling kernel; a covariance its fused
-#: kernel; ``batched_eigh`` one solver call (more for large or mixed batches).
+#: kernel (and on CUDA the ``aminmax`` of its overflow guard, which on the CPU is a call
+#: of its own, counted there); ``batched_eigh`` one solver call (more for large or mixed
+#: batches).
 KAISA_LAUNCHES = {"kaisa.eigen_precondition": 5, "kaisa.covariance": 1,
                   "kaisa.conv_covariance": 1, "kaisa.batched_eigh": 1,
                   "kaisa.batched_eigh_status": 1}

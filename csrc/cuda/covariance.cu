@@ -25,9 +25,18 @@
 // casts. A cost model (CovarianceChoice) picks the path from the shapes, the dtype
 // and torch's fp32 matmul precision; KAISA_COVARIANCE_IMPL=auto|fused|gemm forces
 // one. See docs/cuda-kernels.md.
+//
+// Both paths guard against a sum that overflows before its scale (a finite result of
+// a finite input; kaisa/ops/_overflow.py states the rule): when rows * max|x|^2 could
+// reach the dtype's maximum, every element of P (the bias column too) is multiplied by
+// sqrt(scale) as it is loaded or packed and the result by scale / sqrt(scale)^2
+// instead of scale. The choice is read on the device from x's minimum and maximum
+// (one aminmax before the kernels): no host synchronisation, no copy of x, and with
+// no risk the factor 1 changes no bit.
 #include "common.cuh"
 
 #include <ATen/Context.h>
+#include <ATen/ops/aminmax.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -35,6 +44,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
 namespace kaisa::cuda {
 namespace {
@@ -82,16 +92,38 @@ __device__ __forceinline__ void decode_pair(int pair, int n_tiles, int& bi, int&
   bj = b + rem;
 }
 
+// The overflow guard of one call (see the top of the file): x's minimum and maximum
+// (device scalars; null without a guard), the threshold of max|x| and sqrt(scale).
+template <typename scalar_t, typename acc_t>
+struct Guard {
+  const scalar_t* lo = nullptr;
+  const scalar_t* hi = nullptr;
+  acc_t threshold = acc_t(0);
+  acc_t root = acc_t(1);
+};
+
+// The factor every element of P is multiplied by: root when max|x| > threshold (an
+// infinity included; a NaN compares false and stays in the factor), else 1.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t guard_factor(const Guard<scalar_t, acc_t>& q) {
+  if (q.lo == nullptr) return acc_t(1);
+  const acc_t top = to_acc<acc_t>(*q.hi);
+  const acc_t bottom = -to_acc<acc_t>(*q.lo);
+  return (top > q.threshold || bottom > q.threshold) ? q.root : acc_t(1);
+}
+
 // Partial (unscaled) Gram tiles. grid = (tile pairs, groups, splits).
 // ws layout: [split][group][d][d]; only tiles (bi <= bj) are written.
 // Without split-K (splits == 1, ws == nullptr) the block writes the finished
-// tile instead: scale * acc cast to the output type, into `out` (groups, d, d)
+// tile instead: scale * acc cast to the output type (scale / f^2 under the
+// overflow guard's factor f, by which every loaded element is multiplied), into `out` (groups, d, d)
 // at (i, j) and, off the diagonal tiles, mirrored at (j, i) (a diagonal tile's
 // (j, i) is its own element, bit-identical to (i, j), see below).
 template <typename scalar_t, typename acc_t, bool kConv>
 __global__ void __launch_bounds__(kThreads)
     gram_tile_kernel(const scalar_t* __restrict__ x, const Geom g, acc_t* __restrict__ ws,
-                     scalar_t* __restrict__ direct, const acc_t scale, const int n_tiles,
+                     scalar_t* __restrict__ direct, const acc_t scale,
+                     const Guard<scalar_t, acc_t> guard, const int n_tiles,
                      const int64_t chunks_per_split) {
   __shared__ acc_t As[kChunk][kTile + kPad];
   __shared__ acc_t Bs[kChunk][kTile + kPad];
@@ -105,6 +137,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int row_h[kChunk];
   __shared__ int row_w[kChunk];
 
+  const acc_t pre = guard_factor(guard);  // 1 but for a sum that could overflow
   const int tid = threadIdx.x;
   const int tx = tid % kThreadsPerDim;
   const int ty = tid / kThreadsPerDim;
@@ -196,10 +229,10 @@ __global__ void __launch_bounds__(kThreads)
               const int iw = row_w[k] + col_dw[cdesc + c];
               if (static_cast<unsigned>(ih) < static_cast<unsigned>(g.H) &&
                   static_cast<unsigned>(iw) < static_cast<unsigned>(g.W)) {
-                v = to_acc<acc_t>(x[rb + off + static_cast<int64_t>(ih) * g.W + iw]);
+                v = to_acc<acc_t>(x[rb + off + static_cast<int64_t>(ih) * g.W + iw]) * pre;
               }
             } else if (off == kBiasColumn) {
-              v = acc_t(1);
+              v = pre;
             }
           }
           S[k][c] = v;
@@ -216,9 +249,9 @@ __global__ void __launch_bounds__(kThreads)
           acc_t v = acc_t(0);
           if (r < g.rows) {
             if (col < g.d_data) {
-              v = to_acc<acc_t>(x[r * g.d_data + col]);
+              v = to_acc<acc_t>(x[r * g.d_data + col]) * pre;
             } else if (g.bias && col == g.d_data) {
-              v = acc_t(1);
+              v = pre;
             }
           }
           S[k][c] = v;
@@ -250,6 +283,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   if (ws == nullptr) {
+    const acc_t factor = scale / (pre * pre);  // scale itself when pre is 1
     scalar_t* o = direct + static_cast<int64_t>(group) * g.d * g.d;
 #pragma unroll
     for (int m = 0; m < kMicro; ++m) {
@@ -259,7 +293,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int n = 0; n < kMicro; ++n) {
         const int j = j0 + tx + n * kThreadsPerDim;
         if (j >= g.d) continue;
-        const scalar_t v = from_acc<scalar_t>(scale * acc[m][n]);
+        const scalar_t v = from_acc<scalar_t>(factor * acc[m][n]);
         o[static_cast<int64_t>(i) * g.d + j] = v;
         if (!diag) o[static_cast<int64_t>(j) * g.d + i] = v;
       }
@@ -282,15 +316,17 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kFinTile = 32;
 constexpr int kFinRows = 8;  // block = 32 x 8 threads, 4 rows each
 
-// out[g][i][j] = scale * sum_s ws[s][g][min(i,j)][max(i,j)].
+// out[g][i][j] = scale / f^2 * sum_s ws[s][g][min(i,j)][max(i,j)], f the guard's factor.
 // grid = (ceil(d/32), ceil(d/32), groups); each block owns one 32x32 output
 // tile and reads the mirrored source tile through shared memory so both the
 // reads and the writes stay coalesced.
 template <typename acc_t, typename out_t>
 __global__ void __launch_bounds__(kFinTile* kFinRows)
     finalize_kernel(const acc_t* __restrict__ ws, out_t* __restrict__ out, const int d,
-                    const int splits, const acc_t scale) {
+                    const int splits, const acc_t scale, const Guard<out_t, acc_t> guard) {
   __shared__ acc_t tile[kFinTile][kFinTile + 1];
+  const acc_t pre = guard_factor(guard);
+  const acc_t factor = scale / (pre * pre);
   const int groups = gridDim.z;
   const int group = blockIdx.z;
   const int ti = blockIdx.y;
@@ -321,15 +357,51 @@ __global__ void __launch_bounds__(kFinTile* kFinRows)
     // element (min(i,j), max(i,j)) in source-tile coordinates
     const int a = i <= j ? i : j;
     const int b = i <= j ? j : i;
-    o[static_cast<int64_t>(i) * d + j] = from_acc<out_t>(scale * tile[a - si0][b - sj0]);
+    o[static_cast<int64_t>(i) * d + j] = from_acc<out_t>(factor * tile[a - si0][b - sj0]);
   }
+}
+
+// The overflow guard of one call, on the host: x's minimum and maximum (0-d tensors on
+// x's device, undefined without a guard: an empty input, no rows, or a scale outside
+// (0, 1)), the threshold sqrt(max / 4 / rows) of max|x| (max: x's dtype's largest
+// value, a margin of 4 for rounding) and sqrt(scale).
+struct Bounds {
+  at::Tensor lo, hi;
+  double threshold = 0;
+  double root = 1;
+
+  template <typename scalar_t, typename acc_t>
+  Guard<scalar_t, acc_t> guard() const {
+    Guard<scalar_t, acc_t> q;
+    if (lo.defined()) {
+      q.lo = lo.const_data_ptr<scalar_t>();
+      q.hi = hi.const_data_ptr<scalar_t>();
+      q.threshold = static_cast<acc_t>(threshold);
+      q.root = static_cast<acc_t>(root);
+    }
+    return q;
+  }
+};
+
+Bounds guard_bounds(const at::Tensor& x, int64_t rows, double scale) {
+  Bounds b;
+  if (x.numel() == 0 || rows == 0 || !(scale > 0.0 && scale < 1.0)) return b;
+  double largest = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kaisa_guard", [&] {
+    largest = static_cast<double>(std::numeric_limits<scalar_t>::max());
+  });
+  b.threshold = std::sqrt(largest / 4.0 / static_cast<double>(rows));
+  b.root = std::sqrt(scale);
+  std::tie(b.lo, b.hi) = at::aminmax(x);
+  return b;
 }
 
 // out (groups, d, d) = scale * (sum over the splits of ws[split][group]), its
 // upper triangle mirrored, cast to out's dtype: the finalize kernel on the
-// current stream. ws: (splits, groups, d, d), fp32 or fp64.
+// current stream (scale / f^2 under the guard's factor f). ws: (splits, groups, d, d),
+// fp32 or fp64.
 void launch_finalize(const at::Tensor& ws, const at::Tensor& out, int d, int groups, int splits,
-                     double scale) {
+                     double scale, const Bounds& bounds) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int ft = ceil_div(d, kFinTile);
   const dim3 fgrid(static_cast<unsigned>(ft), static_cast<unsigned>(ft),
@@ -342,7 +414,7 @@ void launch_finalize(const at::Tensor& ws, const at::Tensor& out, int d, int gro
           using out_t = scalar_t;
           finalize_kernel<acc_t, out_t><<<fgrid, fblock, 0, stream>>>(
               ws.const_data_ptr<acc_t>(), out.mutable_data_ptr<out_t>(), d, splits,
-              static_cast<acc_t>(scale));
+              static_cast<acc_t>(scale), bounds.guard<out_t, acc_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
   });
@@ -352,7 +424,7 @@ void launch_finalize(const at::Tensor& ws, const at::Tensor& out, int d, int gro
 // the finished (groups, d, d) result scale * cov into `out` (contiguous, on
 // x's device).
 void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, bool conv,
-               const at::Tensor& out) {
+               const Bounds& bounds, const at::Tensor& out) {
   TORCH_INTERNAL_ASSERT(out.is_contiguous() && out.scalar_type() == x.scalar_type());
   if (g.d == 0 || groups == 0) return;
   TORCH_CHECK(groups <= 65535, "kaisa: at most 65535 groups are supported, got ", groups);
@@ -391,18 +463,21 @@ void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, boo
         acc_t* partial = ws.defined() ? ws.mutable_data_ptr<acc_t>() : nullptr;
         scalar_t* direct = ws.defined() ? nullptr : out.mutable_data_ptr<scalar_t>();
         const auto s = static_cast<acc_t>(scale);
+        const auto q = bounds.guard<scalar_t, acc_t>();
         if (conv) {
           gram_tile_kernel<scalar_t, acc_t, true><<<grid, kThreads, 0, stream>>>(
-              x.const_data_ptr<scalar_t>(), g, partial, direct, s, n_tiles, chunks_per_split);
+              x.const_data_ptr<scalar_t>(), g, partial, direct, s, q, n_tiles,
+              chunks_per_split);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         } else {
           gram_tile_kernel<scalar_t, acc_t, false><<<grid, kThreads, 0, stream>>>(
-              x.const_data_ptr<scalar_t>(), g, partial, direct, s, n_tiles, chunks_per_split);
+              x.const_data_ptr<scalar_t>(), g, partial, direct, s, q, n_tiles,
+              chunks_per_split);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
       });
   if (!ws.defined()) return;
-  launch_finalize(ws, out, g.d, groups, static_cast<int>(splits), scale);
+  launch_finalize(ws, out, g.d, groups, static_cast<int>(splits), scale, bounds);
 }
 
 // ------------------------------------------------------------ GEMM path --
@@ -427,12 +502,16 @@ void gram_into(const at::Tensor& x, const Geom& g, int groups, double scale, boo
 constexpr int kPackThreads = 256;
 constexpr int64_t kGemmRowAlign = 32;  // chunk rows are a multiple of this (but the last)
 
-// P_c[rl][c] = P[r0 + rl][c] of group `group`, row-major (nrows x d), c fastest
-// (coalesced writes); the bias column holds one.
+// P_c[rl][c] = f * P[r0 + rl][c] of group `group`, row-major (nrows x d), c fastest
+// (coalesced writes), f the overflow guard's factor (1 but for a sum that could
+// overflow); the bias column holds f.
 template <typename scalar_t, bool kConv>
 __global__ void __launch_bounds__(kPackThreads)
     pack_patches_kernel(const scalar_t* __restrict__ x, const Geom g, const int group,
-                        const int64_t r0, const int64_t nrows, scalar_t* __restrict__ P) {
+                        const int64_t r0, const int64_t nrows, scalar_t* __restrict__ P,
+                        const Guard<scalar_t, acc_type_t<scalar_t>> guard) {
+  using acc_t = acc_type_t<scalar_t>;
+  const acc_t pre = guard_factor(guard);
   const int64_t total = nrows * g.d;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -464,7 +543,7 @@ __global__ void __launch_bounds__(kPackThreads)
     } else {
       v = x[r * g.d_data + c];
     }
-    P[e] = v;
+    P[e] = pre == acc_t(1) ? v : static_cast<scalar_t>(to_acc<acc_t>(v) * pre);
   }
 }
 
@@ -545,9 +624,10 @@ struct CovarianceChoice {
   double gemm_seconds = 0;
 };
 
-CovarianceChoice choose_covariance(const Geom& g, int groups, bool conv, at::ScalarType st) {
+CovarianceChoice choose_covariance(const Geom& g, int groups, bool conv, at::ScalarType st,
+                                   bool guarded) {
   CovarianceChoice c;
-  c.pack = conv || g.bias;
+  c.pack = conv || g.bias || guarded;  // the guard's factor is applied as rows are packed
   c.compute = st == at::kDouble  ? CUBLAS_COMPUTE_64F
               : st == at::kFloat ? fp32_compute_type()
                                  : CUBLAS_COMPUTE_32F;
@@ -594,7 +674,8 @@ cudaDataType cuda_type(at::ScalarType st) {
 
 // The GEMM path (see above) into `out` (groups, d, d), on the current stream.
 void gemm_covariance_into(const at::Tensor& x, const Geom& g, int groups, double scale,
-                          bool conv, const CovarianceChoice& c, const at::Tensor& out) {
+                          bool conv, const CovarianceChoice& c, const Bounds& bounds,
+                          const at::Tensor& out) {
   const bool dbl = x.scalar_type() == at::kDouble;
   const auto acc_options = x.options().dtype(dbl ? at::kDouble : at::kFloat);
   at::Tensor acc = g.rows == 0 ? at::zeros({1, groups, g.d, g.d}, acc_options)
@@ -616,6 +697,7 @@ void gemm_covariance_into(const at::Tensor& x, const Geom& g, int groups, double
         const acc_t one = acc_t(1);
         const acc_t zero = acc_t(0);
         const scalar_t* xp = x.const_data_ptr<scalar_t>();
+        const auto q = bounds.guard<scalar_t, acc_t>();
         for (int group = 0; group < groups; ++group) {
           acc_t* cp = acc.mutable_data_ptr<acc_t>() + group * dd;
           for (int64_t r0 = 0; r0 < g.rows; r0 += c.chunk_rows) {
@@ -628,10 +710,10 @@ void gemm_covariance_into(const at::Tensor& x, const Geom& g, int groups, double
                                        max_blocks)));
               if (conv) {
                 pack_patches_kernel<scalar_t, true><<<blocks, kPackThreads, 0, stream>>>(
-                    xp, g, group, r0, nrows, pp);
+                    xp, g, group, r0, nrows, pp, q);
               } else {
                 pack_patches_kernel<scalar_t, false><<<blocks, kPackThreads, 0, stream>>>(
-                    xp, g, group, r0, nrows, pp);
+                    xp, g, group, r0, nrows, pp, q);
               }
               C10_CUDA_KERNEL_LAUNCH_CHECK();
               a = pp;
@@ -644,7 +726,7 @@ void gemm_covariance_into(const at::Tensor& x, const Geom& g, int groups, double
           }
         }
       });
-  launch_finalize(acc, out, g.d, groups, 1, scale);
+  launch_finalize(acc, out, g.d, groups, 1, scale, bounds);
 }
 
 // scale * P^T P per group into `out`: the fused kernel or the GEMM path, as the
@@ -653,11 +735,13 @@ void covariance_into(const at::Tensor& x, const Geom& g, int groups, double scal
                      const at::Tensor& out) {
   if (g.d == 0 || groups == 0) return;
   TORCH_CHECK(groups <= 65535, "kaisa: at most 65535 groups are supported, got ", groups);
-  const CovarianceChoice c = choose_covariance(g, groups, conv, x.scalar_type());
+  const Bounds bounds = guard_bounds(x, g.rows, scale);
+  const CovarianceChoice c =
+      choose_covariance(g, groups, conv, x.scalar_type(), bounds.lo.defined());
   if (c.gemm) {
-    gemm_covariance_into(x, g, groups, scale, conv, c, out);
+    gemm_covariance_into(x, g, groups, scale, conv, c, bounds, out);
   } else {
-    gram_into(x, g, groups, scale, conv, out);
+    gram_into(x, g, groups, scale, conv, bounds, out);
   }
 }
 

@@ -111,6 +111,8 @@ def covariance(x: torch.Tensor, scale: float, *, bias: bool = False) -> torch.Te
     """
     xt = _check_float_tensor(x, "x", (2,))
     s = _check_scalar(scale, "scale")
+    if _guards_itself("covariance", xt.device):
+        return torch.ops.kaisa.covariance(xt, s, bool(bias))  # type: ignore[no-any-return]
     xt, f = prescaled(xt, xt.shape[0], s)  # a finite result whose sum would overflow
     if _use_ext("covariance", xt.device):
         out: torch.Tensor = torch.ops.kaisa.covariance(xt, s, bool(bias))
@@ -168,6 +170,10 @@ def conv_covariance(
     """
     xt, conv = _conv_args(x, kernel_size, stride, padding, dilation, groups)
     s = _check_scalar(scale, "scale")
+    if _guards_itself("conv_covariance", xt.device):
+        ks, st, pd, dl, g = conv
+        return torch.ops.kaisa.conv_covariance(  # type: ignore[no-any-return]
+            xt, list(ks), list(st), list(pd), list(dl), g, bool(bias), s)
     oh, ow = conv.output_size(xt.shape[2], xt.shape[3])
     xt, f = prescaled(xt, xt.shape[0] * oh * ow, s)
     if _shifted_path(xt, conv):
@@ -219,6 +225,16 @@ def channel_covariance(x: torch.Tensor, groups: int, scale: float) -> torch.Tens
     dg = d.reshape(n * h * w, conv.groups, m).transpose(0, 1)  # (groups, N*H*W, m)
     out = torch.bmm(dg.transpose(1, 2), dg).mul_(s)
     return rescaled((out + out.transpose(1, 2)).mul_(0.5), f, bias=False)
+
+
+def _guards_itself(op: str, device: torch.device) -> bool:
+    """Whether ``op``'s kernel on ``device`` applies the overflow guard itself.
+
+    The CUDA kernels do (``csrc/cuda/covariance.cu``: the factor read on the device from
+    one ``aminmax``, applied as the elements are loaded, no copy of the input); elsewhere
+    :func:`prescaled` and :func:`rescaled` wrap the kernel.
+    """
+    return device.type == "cuda" and _use_ext(op, device)
 
 
 def _shifted_path(x: torch.Tensor, conv: ConvArgs) -> bool:

@@ -10,7 +10,9 @@ device (no host synchronisation) and is the same on every backend; on the CPU, w
 reading it costs no wait, an input that needs no scaling is passed on as it is, with no
 further call (not copied by ``x * 1``: a full pass over every factor's input, a third of
 a conv layer's G factor time on ResNet-32), and one call (``aminmax``, whose two values
-are read from memory) replaces the nine of the device's choice.
+are read from memory) replaces the nine of the device's choice. The CUDA kernels apply
+the same rule themselves (``csrc/cuda/covariance.cu``), so on a GPU the wrappers skip
+this module.
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ def test_covariance_gemm_path(
     monkeypatch.setenv("KAISA_COVARIANCE_GEMM_ROWS", str(chunk))
     rows, d = shape
     _check_covariance(backend, _rand(shape, dtype), bias, 1.0 / max(rows, 1))
-    if backend.emulated and d + bias > 0:
-        _assert_gemm_path(rows, d + bias, chunk, 1, pack=bias)
+    if backend.emulated and d + bias > 0:  # the overflow guard packs rows (scale < 1)
+        _assert_gemm_path(rows, d + bias, chunk, 1, pack=bias or rows > 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -226,15 +226,22 @@ def test_cost_model_takes_tf32_when_torch_allows_it(
     assert (call["A"], call["compute"], call["math"]) == ("32F", "32F_FAST_TF32", "TF32_TENSOR_OP")
 
 
-def test_cost_model_linear_layer_reads_x_directly(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("scale", [1.0, 1.0 / 8192])
+def test_cost_model_linear_layer_reads_x_directly_without_a_guard(
+    backend: Backend, scale: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A large linear factor in bf16 takes the GEMM path with no packing (x is P)."""
+    """A large linear factor in bf16 with no overflow guard (a scale of 1) takes the GEMM
+    path with x itself as P; with one (a scale below 1) rows reach cuBLAS only packed,
+    scaled by the guard's factor as they are copied (or the fused kernel runs)."""
     monkeypatch.delenv("KAISA_COVARIANCE_IMPL", raising=False)
     x = _rand((8192, 256), torch.bfloat16)
-    _check_covariance(backend, x, False, 1.0 / 8192)
-    if backend.emulated:
+    _check_covariance(backend, x, False, scale)
+    if not backend.emulated:
+        return
+    if scale == 1.0:
         _assert_gemm_path(8192, 256, 8192, 1, pack=False)
+    else:  # the copy costs what it costs (the model weighs it): never x unscaled to cuBLAS
+        assert not _gemm_calls() or _kernels("pack_patches_kernel") > 0
 
 
 @pytest.mark.parametrize("case", [

@@ -132,6 +132,57 @@ def test_covariance_noncontiguous_input(backend: Backend) -> None:
 
 
 # --------------------------------------------------------------------------- #
+# the overflow guard inside the kernels
+
+
+@pytest.mark.parametrize("impl", ["fused", "gemm"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [8, 600])  # 600: split-K on the emulated H200 (fused)
+def test_covariance_whose_sum_overflows_is_finite(
+    backend: Backend, impl: str, bias: bool, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inputs of 1.2e19: every entry of X^T X / M is 1.44e38 (finite in float32), the sum
+    before its 1/M is not; the kernel scales the loaded elements by sqrt(1/M) itself."""
+    monkeypatch.setenv("KAISA_COVARIANCE_IMPL", impl)
+    v = 1.2e19
+    x = torch.full((rows, 3), v)
+    x[::2, 1] = -v  # the guard reads the minimum too
+    for out in _runs(backend, lambda: backend.ops().covariance(backend.to_device(x), 1.0 / rows,
+                                                                bias)):
+        expected = ref.covariance(x.double(), 1.0 / rows, bias=bias)
+        assert torch.equal(out, out.mT)
+        _assert_close_rel(out, expected, torch.float32)
+        if bias:  # the ones are scaled with the rest: the corner is 1 up to rounding
+            assert out[-1, -1].item() == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["fused", "gemm"])
+def test_conv_covariance_whose_sum_overflows_is_finite(
+    backend: Backend, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KAISA_COVARIANCE_IMPL", impl)
+    case: ConvOpCase = ((2, 4, 5, 5), (3, 3), (1, 1), (1, 1), (1, 1), 2)
+    x = torch.full(case[0], 1.2e19)
+    scale = 1.0 / (2 * 25)
+    runs = _runs(backend, lambda: backend.ops().conv_covariance(
+        backend.to_device(x), [3, 3], [1, 1], [1, 1], [1, 1], 2, True, scale))
+    expected = ref.conv_covariance(x.double(), (3, 3), (1, 1), (1, 1), (1, 1), 2, True, scale)
+    for out in runs:
+        _assert_close_rel(out, expected, torch.float32)
+
+
+def test_a_safe_input_is_not_scaled_and_a_nan_stays(backend: Backend) -> None:
+    """Without risk the guard's factor is 1 (the same bits as no guard); NaN is not risk."""
+    x = _rand((40, 6), torch.float32)
+    got = backend.ops().covariance(backend.to_device(x), 1.0 / 40, True).cpu()
+    unguarded = backend.ops().covariance(backend.to_device(x), 1.0, True).cpu() / 40
+    torch.testing.assert_close(got, unguarded, rtol=1e-6, atol=0.0)
+    x[3, 2] = float("nan")
+    got = backend.ops().covariance(backend.to_device(x), 1.0 / 40, False).cpu()
+    assert bool(got[2].isnan().all()) and bool(torch.isfinite(got[0, :2]).all())
+
+
+# --------------------------------------------------------------------------- #
 # conv_covariance
 # --------------------------------------------------------------------------- #
 
