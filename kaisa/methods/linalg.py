@@ -137,11 +137,23 @@ def _store(
     if res is None or len(failed) == len(members):
         return
     sizes = [factors[i].shape[0] for i in members]  # type: ignore[union-attr]
-    vals = torch.split(res.eigenvalues.to(inv_dtype), sizes)
-    vecs = torch.split(res.eigenvectors.to(inv_dtype), sizes)
+    vals = _parts(res.eigenvalues.to(inv_dtype), sizes)
+    vecs = _parts(res.eigenvectors.to(inv_dtype), sizes)
     for i, v, q in zip(members, vals, vecs, strict=True):
         if i not in failed:
             results[i] = EigenResult(v, q)
+
+
+def _parts(batch: torch.Tensor, sizes: list[int]) -> Sequence[torch.Tensor]:
+    """``batch`` split into its members' results, each its own copy when there are several.
+
+    A view would keep the whole batch alive for as long as any one member's result is
+    held (a block that is not restacked with the others, :mod:`kaisa.core.grouped`): the
+    decompositions' memory would grow by the rest of its batch.
+    """
+    if len(sizes) == 1:
+        return [batch]
+    return [part.clone() for part in torch.split(batch, sizes)]
 
 
 def _isolate(
@@ -291,7 +303,7 @@ def damped_inverses(
             batch = torch.cat([factors[i] for i in members])  # type: ignore[misc]
             inv = _cholesky_inverse(batch, torch.cat([dampings[i] for i in members]), dtype)
             if inv is not None:
-                for i, part in zip(members, torch.split(inv.to(inv_dtype), sizes), strict=True):
+                for i, part in zip(members, _parts(inv.to(inv_dtype), sizes), strict=True):
                     out[i] = part
                 continue
         for i in members:  # alone: the requested dtype, then float64

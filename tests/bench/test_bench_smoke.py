@@ -180,3 +180,33 @@ def test_launches_smoke(tmp_path: Path) -> None:
     # one preconditioning call per shape: a few dozen calls, not a few dozen per block
     assert plain["calls"] <= 60, plain
     assert gpt["sgd"]["step"]["calls"] <= 10  # foreach: a few calls for every parameter
+
+
+@pytest.mark.distributed
+def test_factor_memory_smoke(tmp_path: Path) -> None:
+    """bench/distributed/factor_memory.py --smoke: ResNet-20 on 1 and 2 gloo ranks.
+
+    What holds today: the running factors and the decompositions held are what the
+    memory model counts, to the byte, at every fraction; one process at the peak of a
+    factor step holds the model's total.
+    """
+    module = load_bench("factor_memory")
+    out = tmp_path / "factor_memory.json"
+    results = module.main(["--smoke", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == json.loads(json.dumps(results["rows"]))
+    assert [(r["world"], r["fraction"]) for r in rows] == [(1, "1"), (2, "1/2"), (2, "1")] or [
+        (r["world"], r["fraction"]) for r in rows] == [(1, "1"), (2, "1"), (2, "1/2")]
+    for row in rows:
+        for rank in row["ranks"]:
+            for moment in ("peak", "between"):
+                got = rank[moment]
+                assert got["factors_mb"] == pytest.approx(rank["model"]["factors"], rel=1e-9)
+                assert got["decompositions_mb"] == pytest.approx(
+                    rank["model"]["decompositions"], rel=1e-9), (row["world"], row["fraction"])
+            assert rank["between"]["batch_mb"] < 0.01  # nothing of the step is left
+            assert rank["peak"]["batch_mb"] > 0
+    (one,) = [r for r in rows if r["world"] == 1]
+    peak, model = one["ranks"][0]["peak"], one["ranks"][0]["model"]
+    assert peak["held_mb"] == pytest.approx(model["total"], rel=0.01)
+    assert "| 2 | 1/2 |" in module.table(rows)

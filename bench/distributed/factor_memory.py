@@ -1,0 +1,218 @@
+"""K-FAC's bytes at the peak of a factor step, measured on 1, 2 and 4 gloo ranks, against the model.
+
+``kaisa.KFACPreconditioner`` (eigen, float32, factors every step) on ResNet-50 at ImageNet
+shapes (1000 classes; the factors' sizes do not depend on the image, so the inputs are
+32x32, batch 2 per rank) trains on spawned CPU processes (gloo on 127.0.0.1, one thread
+each), at every valid ``grad_worker_fraction`` of each world size. The first step
+decomposes; the second is a factor step, measured
+
+* ``peak``: after its backward pass, before ``step()``: the running factors, the
+  decompositions and the step's batch factors (held by the blocks, or by the pending
+  factor collectives);
+* ``between``: after its ``step()``: what stays from one step to the next.
+
+"Held" is every tensor storage reachable from the preconditioner object (the Python object
+graph, counted once per storage), not through the model (its modules, parameters and
+gradients are the model's memory): the same walk finds the blocks' state, the
+communicator's buckets and the pending collectives' buffers. The storages of the blocks'
+running factors are ``factors``, of their decomposition entries ``decompositions``;
+``batch`` is the rest. The model is
+``pre.memory_estimates()`` (``kaisa.distributed.memory``) for the run's fraction and rank:
+``factors``, ``decompositions`` and ``buffers`` (the batch factors, and a receive buffer
+for each gradient the rank receives by broadcast, which exists during ``step()`` only).
+
+    python bench/distributed/factor_memory.py             # bench/results/factor_memory.json
+    python bench/distributed/factor_memory.py --smoke --out /tmp/m.json   # ResNet-20, 1-2 ranks
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import types
+import warnings
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root: bench.harness
+from bench import harness
+
+_MB = 2**20
+
+
+def held_storages(root: object, model: nn.Module) -> dict[int, int]:
+    """Bytes of each tensor storage reachable from ``root``, not through ``model``.
+
+    A breadth-first walk of the object graph (``gc.get_referents``) that does not enter
+    modules, parameters, functions, classes or Python modules; a tensor counts its
+    storage once (views of one storage are one), its gradient is not followed.
+
+    Returns:
+        ``storage data pointer -> bytes``.
+    """
+    blocked = {id(model)} | {id(m) for m in model.modules()}
+    blocked |= {id(p) for p in model.parameters()}
+    blocked |= {id(p.grad) for p in model.parameters() if p.grad is not None}
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    todo: list[object] = [root]
+    skip = (nn.Module, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+            types.ModuleType, type)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or id(obj) in blocked:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta" and not isinstance(obj, nn.Parameter):
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            continue
+        if isinstance(obj, skip):
+            continue
+        todo.extend(gc.get_referents(obj))
+    return storages
+
+
+def _measure(pre: Any, model: nn.Module) -> dict[str, float]:
+    """MB held: the running factors' storages, the decompositions', and the rest (batch)."""
+    held = held_storages(pre, model)
+    kinds: dict[str, set[int]] = {"factors": set(), "decompositions": set()}
+    for layer in pre.layers.values():
+        for t in (layer.factors.a, layer.factors.g):
+            if t is not None:
+                kinds["factors"].add(t.untyped_storage().data_ptr())
+        for t in layer.decomposition.values():
+            kinds["decompositions"].add(t.untyped_storage().data_ptr())
+    out = {f"{kind}_mb": sum(held.get(p, 0) for p in ptrs) / _MB for kind, ptrs in kinds.items()}
+    out["held_mb"] = sum(held.values()) / _MB
+    out["batch_mb"] = out["held_mb"] - out["factors_mb"] - out["decompositions_mb"]
+    return out
+
+
+def _run(model_name: str, fraction: Fraction, rank: int, world: int) -> dict[str, Any]:
+    import kaisa
+    from kaisa.train import models
+
+    torch.manual_seed(0)
+    model = models.resnet20(num_classes=10) if model_name == "resnet20" else models.resnet50()
+    classes = 10 if model_name == "resnet20" else 1000
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10**6,
+                                   grad_worker_fraction=float(fraction))
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(2, 3, 32, 32, generator=gen)
+    y = torch.randint(0, classes, (2,), generator=gen)
+    out: dict[str, Any] = {"rank": rank}
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        if step == 1:
+            out["peak"] = _measure(pre, model)
+        pre.step()
+    out["between"] = _measure(pre, model)
+    modelled = pre.memory_estimates()[fraction].per_rank[rank]
+    out["model"] = {k: v / _MB for k, v in modelled.items()}
+    return out
+
+
+def _worker(rank: int, world: int, port: int, model_name: str, fractions: list[str],
+            out_dir: str) -> None:
+    warnings.simplefilter("ignore")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=1800))
+    rows = [_run(model_name, Fraction(f), rank, world) for f in fractions]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawnable_worker() -> Any:
+    """:func:`_worker` from a module the spawned processes import by name."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("factor_memory")._worker
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world: int, model_name: str, timeout: float) -> list[dict[str, Any]]:
+    """Every valid fraction of ``world`` ranks: per fraction, every rank's measurements."""
+    from kaisa.distributed.strategy import valid_fractions
+
+    fractions = [str(f) for f in valid_fractions(world)]
+    ctx = mp.get_context("spawn")
+    worker = _spawnable_worker()
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=worker, args=(r, world, port, model_name, fractions,
+                                                  out_dir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p in procs):
+            for p in procs:
+                p.kill()
+            raise TimeoutError(f"world {world}: not done within {timeout:.0f}s")
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"world {world}: exit codes {[p.exitcode for p in procs]}")
+        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    return [{"world": world, "fraction": f, "ranks": [per_rank[r][i] for r in range(world)]}
+            for i, f in enumerate(fractions)]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Per world and fraction: the largest rank's measured and modelled MB."""
+    lines = ["| ranks | fraction | peak held | of which batch | between steps | model total "
+             "| model buffers | peak / model |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        top = max(row["ranks"], key=lambda r: r["peak"]["held_mb"])
+        model = top["model"]
+        lines.append(
+            f"| {row['world']} | {row['fraction']} | {top['peak']['held_mb']:.0f} | "
+            f"{top['peak']['batch_mb']:.0f} | {top['between']['held_mb']:.0f} | "
+            f"{model['total']:.0f} | {model['buffers']:.0f} | "
+            f"{top['peak']['held_mb'] / model['total']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measures every world size of ``--worlds``; writes the JSON and prints the table."""
+    p = harness.parser(__doc__, harness.RESULTS / "factor_memory.json")
+    p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--smoke", action="store_true", help="ResNet-20 (CIFAR), 1 and 2 ranks")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per world size")
+    args = p.parse_args(argv)
+    model_name = "resnet20" if args.smoke else "resnet50"
+    worlds = [1, 2] if args.smoke else [int(w) for w in args.worlds.split(",")]
+    rows = [row for w in worlds for row in run_world(w, model_name, args.timeout)]
+    print(table(rows))
+    harness.write(args.out, "factor_memory", {"model": model_name, "rows": rows},
+                  argv=argv, script="bench/distributed/factor_memory.py")
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
