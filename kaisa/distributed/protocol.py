@@ -98,8 +98,8 @@ class Communicator(abc.ABC):
             kind: Counter key for :attr:`stats`.
 
         Returns:
-            A handle whose ``wait()`` returns the average on ``dst`` (a new tensor) and
-            this rank's own ``tensor`` elsewhere.
+            A handle whose ``wait()`` returns the average on ``dst`` (a new tensor) and an
+            empty tensor elsewhere (the input is not kept once sent).
         """
         if not 0 <= dst < self.world_size:
             raise ValueError(f"reduce destination {dst} is not a rank < {self.world_size}")

@@ -30,10 +30,13 @@ _MB = 1024 * 1024
 
 @dataclass
 class _Entry:
-    tensor: torch.Tensor
+    #: The input: ``None`` once an allreduce or a reduce has packed it (released, so a
+    #: batch factor in flight is held once, in the bucket).
+    tensor: torch.Tensor | None
     symmetric: bool
     offset: int
     numel: int
+    shape: torch.Size
     result: torch.Tensor | None = None
 
 
@@ -61,18 +64,22 @@ class _Bucket:
 
     def add(self, tensor: torch.Tensor, symmetric: bool) -> int:
         numel = packed_numel(tensor.shape, symmetric)
-        self.entries.append(_Entry(tensor, symmetric, self.numel, numel))
+        self.entries.append(_Entry(tensor, symmetric, self.numel, numel, tensor.shape))
         self.numel += numel
         return len(self.entries) - 1
 
-    def _pack(self) -> torch.Tensor:
-        parts = [
-            (pack_symmetric(e.tensor) if e.symmetric else e.tensor).reshape(-1)
-            for e in self.entries
-        ]
-        if len(parts) == 1:
-            return parts[0].clone(memory_format=torch.contiguous_format)
-        return torch.cat(parts)
+    def _pack(self, release: bool = False) -> torch.Tensor:
+        """The entries in one flat buffer; with ``release`` the inputs are let go."""
+        parts = []
+        for e in self.entries:
+            assert e.tensor is not None  # packed once, at launch
+            parts.append((pack_symmetric(e.tensor) if e.symmetric else e.tensor).reshape(-1))
+        flat = (parts[0].clone(memory_format=torch.contiguous_format) if len(parts) == 1
+                else torch.cat(parts))
+        if release:
+            for e in self.entries:
+                e.tensor = None
+        return flat
 
     def launch(self) -> None:
         if self.launched:
@@ -81,11 +88,11 @@ class _Bucket:
         comm = self.comm
         pg = comm._group_handle(self.group)
         if self.op == "allreduce":
-            self.flat = self._pack()
+            self.flat = self._pack(release=True)
             comm.stats.add_sent(self.kind, self.nbytes)
             self.work = dist.all_reduce(self.flat, group=pg, async_op=True)
         elif self.op == "reduce":  # src: the destination
-            self.flat = self._pack()
+            self.flat = self._pack(release=True)
             comm.stats.add_sent(self.kind, self.nbytes)
             self.work = dist.reduce(self.flat, dst=self.src, group=pg, async_op=True)
         else:
@@ -117,32 +124,30 @@ class _Bucket:
             self.work = None
         flat = self.flat
         assert flat is not None
-        # A reduce's sum arrives on its destination only; elsewhere the entries keep
-        # their inputs (the engine drops them).
+        # A reduce's sum arrives on its destination only; elsewhere an entry's result is
+        # empty (its input was released when sent; the engine drops it).
         reduced = self.op == "allreduce" or (self.op == "reduce" and self.comm.rank == self.src)
         if reduced:
             flat.div_(self.comm.world_size)
         for e in self.entries:
             chunk = flat[e.offset : e.offset + e.numel]
             if self.op == "reduce" and not reduced:
-                e.result = e.tensor
+                e.result = flat.new_empty(0)
             elif self.op != "broadcast":
                 if e.symmetric:
-                    n = int(e.tensor.shape[-1])
-                    e.result = unpack_symmetric(chunk.view(*e.tensor.shape[:-2], -1), n)
+                    n = int(e.shape[-1])
+                    e.result = unpack_symmetric(chunk.view(*e.shape[:-2], -1), n)
                 else:
-                    e.result = chunk.view(e.tensor.shape)
+                    e.result = chunk.view(e.shape)
             else:
+                assert e.tensor is not None
                 if self.comm.rank != self.src:
                     if e.symmetric:
-                        n = int(e.tensor.shape[-1])
-                        unpack_symmetric(chunk.view(*e.tensor.shape[:-2], -1), n, out=e.tensor)
+                        n = int(e.shape[-1])
+                        unpack_symmetric(chunk.view(*e.shape[:-2], -1), n, out=e.tensor)
                     else:
-                        e.tensor.copy_(chunk.view(e.tensor.shape))
+                        e.tensor.copy_(chunk.view(e.shape))
                 e.result = e.tensor
-            # Drop the reference to the local input (it may be large).
-            if self.op != "broadcast":
-                e.tensor = e.result
         if self.op != "allreduce":
             self.flat = None
         self.finished = True

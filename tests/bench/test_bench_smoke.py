@@ -186,9 +186,9 @@ def test_launches_smoke(tmp_path: Path) -> None:
 def test_factor_memory_smoke(tmp_path: Path) -> None:
     """bench/distributed/factor_memory.py --smoke: ResNet-20 on 1 and 2 gloo ranks.
 
-    What holds today: the running factors and the decompositions held are what the
-    memory model counts, to the byte, at every fraction; one process at the peak of a
-    factor step holds the model's total.
+    The running factors and the decompositions held are what the memory model counts, to
+    the byte, at every fraction, and at the peak of a factor step every rank holds the
+    model's total within 5% (the model also counts the receive buffers of ``step()``).
     """
     module = load_bench("factor_memory")
     out = tmp_path / "factor_memory.json"
@@ -206,7 +206,6 @@ def test_factor_memory_smoke(tmp_path: Path) -> None:
                     rank["model"]["decompositions"], rel=1e-9), (row["world"], row["fraction"])
             assert rank["between"]["batch_mb"] < 0.01  # nothing of the step is left
             assert rank["peak"]["batch_mb"] > 0
-    (one,) = [r for r in rows if r["world"] == 1]
-    peak, model = one["ranks"][0]["peak"], one["ranks"][0]["model"]
-    assert peak["held_mb"] == pytest.approx(model["total"], rel=0.01)
+            ratio = rank["peak"]["held_mb"] / rank["model"]["total"]
+            assert 0.95 <= ratio <= 1.001, (row["world"], row["fraction"], ratio)  # 0-d counts
     assert "| 2 | 1/2 |" in module.table(rows)
