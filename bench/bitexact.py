@@ -68,8 +68,8 @@ def _digest(*objects: Any) -> str:
 
 def _tensors(obj: Any) -> Any:
     """Tensors and numbers of a nested state, in a canonical order (no object identities)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().contiguous()
+    if isinstance(obj, torch.Tensor):  # its values only: a view is saved as its own copy
+        return obj.detach().cpu().clone(memory_format=torch.contiguous_format)
     if isinstance(obj, dict):
         return [(str(k), _tensors(v)) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))]
     if isinstance(obj, (list, tuple)):

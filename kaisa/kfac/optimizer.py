@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kaisa.core.checkpoint import KFACState
-from kaisa.core.clipping import parameter_directions, write_preconditioned
+from kaisa.core.clipping import parameter_directions, write_directions
 from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed.config import DistributedConfig
 from kaisa.kfac import quadratic
@@ -225,8 +225,8 @@ class KFAC(torch.optim.Optimizer):
                     raw, directions = self._direction(params)
                 else:
                     self._update_curvature()
-                    write_preconditioned(
-                        self.curvature.precondition(self.damping),
+                    write_directions(  # blocks of one shape stacked, as the preconditioner
+                        self.curvature.precondition_grouped(self.damping),
                         kl_clip=self._schedules.optional("kl_clip", self.steps),
                         lr=self._current("lr"),
                     )

@@ -183,3 +183,37 @@ def test_decompositions_are_views_of_one_stack_and_resume_exactly() -> None:
     twin.load_state_dict(torch.load(buffer, weights_only=True))
     for got, want in zip(step(twin, twin_model), step(pre, model), strict=True):
         assert torch.equal(got, want)
+
+
+def _kfac_fixed(grouped: bool) -> tuple[list[torch.Tensor], int]:
+    """``kaisa.KFAC`` with a fixed lr and momentum: its parameters, and the calls of the
+    preconditioning op in its last step."""
+    torch.manual_seed(0)
+    model = _Net().double()
+    opt = kaisa.KFAC(model, loss="cross_entropy", curvature="empirical", lr=0.05, momentum=0.9,
+                     damping=0.01, inv_update_steps=3)
+    core = opt.curvature
+    if not grouped:
+        core.precondition_grouped = (  # type: ignore[method-assign]
+            lambda damping: GroupedDirections([], core.precondition(damping)))
+    gen = torch.Generator().manual_seed(1)
+    calls = Calls()
+    for step in range(5):
+        x = torch.randn(6, 3, 8, 8, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 5, (6,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if step == 4:
+            with calls:
+                opt.step()
+        else:
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()], calls.calls[
+        "kaisa.eigen_precondition"] + calls.calls["aten.bmm"]
+
+
+def test_kfac_with_a_fixed_lr_stacks_blocks_of_one_shape() -> None:
+    (grouped, few), (per_block, many) = _kfac_fixed(True), _kfac_fixed(False)
+    for a, b in zip(grouped, per_block, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert few < many, (few, many)
