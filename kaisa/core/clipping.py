@@ -17,8 +17,8 @@ from kaisa.core.grouped import BlockGroup, GroupedDirections
 from kaisa.utils.finite import all_finite
 from kaisa.utils.shards import is_sharded, rows_of
 
-__all__ = ["guarded_directions", "parameter_directions", "write_directions",
-           "write_preconditioned"]
+__all__ = ["grouped_parameter_directions", "guarded_directions", "parameter_directions",
+           "write_directions", "write_preconditioned"]
 
 
 def guarded_directions(
@@ -95,10 +95,52 @@ def write_directions(directions: GroupedDirections, *, kl_clip: float | None,
     one check serves), the scaling is one multi-tensor call, and every grouped ``.grad`` is
     written by one more.
     """
-    groups, single = directions.groups, directions.single
-    if not groups:
-        write_preconditioned(single, kl_clip=kl_clip, lr=lr)
+    if not directions.groups:
+        write_preconditioned(directions.single, kl_clip=kl_clip, lr=lr)
         return
+    stacks, single = _grouped_final(directions, kl_clip, lr)
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for group, direction in stacks:
+        d, s = group.destinations(direction)
+        dst += d
+        src += s
+    torch._foreach_copy_(dst, src)
+    for block, direction in single:
+        block.write_grad(direction)
+
+
+def grouped_parameter_directions(
+    directions: GroupedDirections, params: list[torch.Tensor], raw: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """:func:`parameter_directions` of a grouped step: the stacks' parts are views.
+
+    Args:
+        directions: The core's grouped preconditioning of ``raw``
+            (:meth:`~kaisa.core.curvature.KFACCurvature.precondition_grouped` with them).
+        params: The parameters.
+        raw: Their gradients, in the same order (not modified).
+
+    Returns:
+        One direction per parameter, as :func:`parameter_directions` gives them.
+    """
+    if not directions.groups:
+        return parameter_directions(directions.single, params, raw)
+    stacks, single = _grouped_final(directions, None, 1.0)
+    out = list(raw)
+    index = {id(p): i for i, p in enumerate(params)}
+    for group, direction in stacks:  # a grouped block covers every row of its parameters
+        for p, part in zip(*group.destinations(direction, params=True), strict=True):
+            if id(p) in index:
+                out[index[id(p)]] = part
+    return _place(single, index, out, raw)
+
+
+def _grouped_final(directions: GroupedDirections, kl_clip: float | None, lr: float,
+                   ) -> tuple[list[tuple[BlockGroup, torch.Tensor]],
+                              list[tuple[CurvatureBlock, torch.Tensor]]]:
+    """Every group's final direction stack and every other block's final direction."""
+    groups, single = directions.groups, directions.single
     checks = _checks(single, kl_clip)
     grads = [g for _, g, _ in groups]
     precond = [p for _, _, p in groups]
@@ -127,17 +169,11 @@ def write_directions(directions: GroupedDirections, *, kl_clip: float | None,
         nu = None
         oks = [torch.isfinite(_per_block(p, group)).all(dim=(1, 2), keepdim=True)
                for p, (group, _, _) in zip(precond, groups, strict=True)]
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
+    stacks = []
     for (group, g, _), p, ok in zip(groups, precond, oks, strict=True):
         n = group.blocks[0].groups
-        direction = torch.where(ok if n == 1 else ok.repeat_interleave(n, 0), p, g)
-        d, s = group.destinations(direction)
-        dst += d
-        src += s
-    torch._foreach_copy_(dst, src)
-    for block, direction in _apply(single, checks, nu):
-        block.write_grad(direction)
+        stacks.append((group, torch.where(ok if n == 1 else ok.repeat_interleave(n, 0), p, g)))
+    return stacks, _apply(single, checks, nu)
 
 
 def _per_block(x: torch.Tensor, group: BlockGroup) -> torch.Tensor:
@@ -170,9 +206,14 @@ def parameter_directions(
         gradients, the entries carrying the rows this rank holds) each direction is a
         ``DTensor`` like its gradient, with this rank's rows written.
     """
-    directions = list(raw)
     index = {id(p): i for i, p in enumerate(params)}
-    for block, matrix in guarded_directions(pairs, kl_clip=None, lr=1.0):
+    return _place(guarded_directions(pairs, kl_clip=None, lr=1.0), index, list(raw), raw)
+
+
+def _place(finals: Sequence[tuple[CurvatureBlock, torch.Tensor]], index: dict[int, int],
+           directions: list[torch.Tensor], raw: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Puts each block's final direction into ``directions`` (by parameter ``index``)."""
+    for block, matrix in finals:
         for p, part, rows in zip(block.parameters(), block.parts(matrix),
                                  block.row_slices(), strict=True):
             if id(p) not in index:  # a frozen parameter

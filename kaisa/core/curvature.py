@@ -342,23 +342,28 @@ class KFACCurvature:
         with self.timed("preconditioning"):
             return self._precondition(damping, grads)
 
-    def precondition_grouped(self, damping: float) -> GroupedDirections:
-        """:meth:`precondition` of the parameters' ``.grad``, blocks of one shape stacked.
+    def precondition_grouped(
+        self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
+    ) -> GroupedDirections:
+        """:meth:`precondition`, blocks of one shape stacked.
 
         The blocks :mod:`kaisa.core.grouped` can stack (this rank preconditions them and
         sends them to no one; plain layouts, dense factors) come back as stacks, one
         method call per group; the others as :meth:`precondition` gives them. Write them
-        with :func:`kaisa.core.clipping.write_directions`. Writes nothing.
+        with :func:`kaisa.core.clipping.write_directions`, or read them per parameter with
+        :func:`kaisa.core.clipping.grouped_parameter_directions`. Writes nothing.
 
         Args:
             damping: The damping of the method's precondition step.
+            grads: As for :meth:`precondition` (by default the parameters' ``.grad``).
         """
         method = self._method
         with self.timed("preconditioning"):
             groups, done = run_groups(
                 self._blocks, self._engine, method, self._groups,
-                lambda group, grad: method.precondition(group.stacked, grad, damping))
-            return GroupedDirections(groups, self._precondition(damping, None, skip=done))
+                lambda group, grad: method.precondition(group.stacked, grad, damping),
+                grads=grads)
+            return GroupedDirections(groups, self._precondition(damping, grads, skip=done))
 
     def transform_grouped(
         self, rule: BlockRule, group_rule: GroupRule,

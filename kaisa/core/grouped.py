@@ -106,19 +106,23 @@ class BlockGroup:
     def __post_init__(self) -> None:
         self._held: dict[str, list[torch.Tensor]] = {}
 
-    def gradients(self) -> torch.Tensor:
+    def gradients(self, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
         """The blocks' gradient matrices stacked: ``(blocks * groups, out / groups, n)``.
 
         Written for few operator calls: no reshape where the stack has the shape already.
+
+        Args:
+            grads: ``parameter -> gradient`` to stack; by default the parameters' ``.grad``.
         """
         first, k = self.blocks[0], len(self.blocks)
         out, groups = first.weight.shape[0], first.groups
-        weights = _grads(b.weight for b in self.blocks)
+        weights = _grads((b.weight for b in self.blocks), grads)
         if not self.bias:
             w = torch.stack(weights) if k > 1 else weights[0]
             shape = (k * groups, out // groups, w.numel() // (k * out))
             return w if w.shape == shape else w.reshape(shape)
-        biases = _grads(b.parameters()[1] for b in self.blocks)
+        biases = _grads((b.parameters()[1] for b in self.blocks), grads)
         if k == 1:  # reshape: a view where the layout allows (channels-last grads do not)
             parts = [weights[0].reshape(1, out, -1), biases[0].reshape(1, out, 1)]
         else:
@@ -175,6 +179,7 @@ def run_groups(
     blocks: Mapping[str, CurvatureBlock], engine: DistributedEngine, method: SecondOrderMethod,
     cache: dict[tuple[object, ...], list[BlockGroup]], rule: GroupRule,
     uniform: Callable[[BlockGroup], bool] | None = None,
+    grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[list[tuple[BlockGroup, torch.Tensor, torch.Tensor]], set[str]]:
     """``rule`` on the stacks of every group of the blocks this rank may stack.
 
@@ -186,6 +191,8 @@ def run_groups(
         rule: The computation of a group.
         uniform: Whether a group's blocks may share one call of ``rule`` this step (e.g.
             their Adam scalars agree); a group that may not takes the per-block path.
+        grads: ``parameter -> gradient`` to stack instead of the ``.grad`` (a block with a
+            parameter not in it takes the per-block path).
 
     Returns:
         ``(group, gradient stack, result)`` per group, and the names of their blocks (the
@@ -196,14 +203,15 @@ def run_groups(
     shared = _shared_parameters(blocks.values())
     local = [b for name, b in blocks.items()
              if engine.local_worker(name) and eligible(b, method)
-             and not shared.intersection(map(id, b.parameters()))]
+             and not shared.intersection(map(id, b.parameters()))
+             and (grads is None or all(p in grads for p in b.parameters()))]
     out: list[tuple[BlockGroup, torch.Tensor, torch.Tensor]] = []
     done: set[str] = set()
     for group in group_blocks(local, method, cache):
         if uniform is not None and not uniform(group):
             continue
         group.adopt()
-        grad = group.gradients()
+        grad = group.gradients(grads)
         result = rule(group, grad)
         if result is None:  # the rule had nothing for the group: the per-block path
             continue
@@ -252,8 +260,9 @@ def group_blocks(
     return groups
 
 
-def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    grads = [p.grad for p in params]
+def _grads(params: Iterable[torch.Tensor],
+           given: Mapping[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    grads = [p.grad if given is None else given[p] for p in params]
     assert all(g is not None for g in grads)  # eligible blocks have every gradient
     return grads  # type: ignore[return-value]
 

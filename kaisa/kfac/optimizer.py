@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kaisa.core.checkpoint import KFACState
-from kaisa.core.clipping import parameter_directions, write_directions
+from kaisa.core.clipping import grouped_parameter_directions, write_directions
 from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed.config import DistributedConfig
 from kaisa.kfac import quadratic
@@ -319,8 +319,8 @@ class KFAC(torch.optim.Optimizer):
         raw = [_grad(p).add(p, alpha=wd) if wd else _grad(p) for p in params]
         self._update_curvature()
         grads = dict(zip(params, raw, strict=True))
-        return raw, parameter_directions(self.curvature.precondition(self.damping, grads=grads),
-                                         params, raw)
+        return raw, grouped_parameter_directions(  # blocks of one shape stacked
+            self.curvature.precondition_grouped(self.damping, grads=grads), params, raw)
 
     def _adapt_damping(self, closure: Closure, before: float, predicted: float,
                        start: RandomState) -> None:

@@ -185,23 +185,33 @@ def test_decompositions_are_views_of_one_stack_and_resume_exactly() -> None:
         assert torch.equal(got, want)
 
 
-def _kfac_fixed(grouped: bool) -> tuple[list[torch.Tensor], int]:
-    """``kaisa.KFAC`` with a fixed lr and momentum: its parameters, and the calls of the
-    preconditioning op in its last step."""
+def _kfac(grouped: bool, **kwargs: Any) -> tuple[list[torch.Tensor], int]:
+    """``kaisa.KFAC``'s parameters after 5 steps, and the calls of the preconditioning op
+    (and batched products) in its last step."""
     torch.manual_seed(0)
     model = _Net().double()
-    opt = kaisa.KFAC(model, loss="cross_entropy", curvature="empirical", lr=0.05, momentum=0.9,
-                     damping=0.01, inv_update_steps=3)
+    opt = kaisa.KFAC(model, loss="cross_entropy", damping=0.01, inv_update_steps=3, **kwargs)
     core = opt.curvature
     if not grouped:
         core.precondition_grouped = (  # type: ignore[method-assign]
-            lambda damping: GroupedDirections([], core.precondition(damping)))
+            lambda damping, grads=None: GroupedDirections([], core.precondition(damping, grads)))
     gen = torch.Generator().manual_seed(1)
     calls = Calls()
     for step in range(5):
         x = torch.randn(6, 3, 8, 8, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 5, (6,), generator=gen)
         opt.zero_grad()
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> tuple[torch.Tensor, torch.Tensor]:
+            return model(x), y
+
+        if kwargs.get("lr", "adaptive") == "adaptive":
+            if step == 4:
+                with calls:
+                    opt.step(closure)
+            else:
+                opt.step(closure)
+            continue
         F.cross_entropy(model(x), y).backward()
         if step == 4:
             with calls:
@@ -212,8 +222,13 @@ def _kfac_fixed(grouped: bool) -> tuple[list[torch.Tensor], int]:
         "kaisa.eigen_precondition"] + calls.calls["aten.bmm"]
 
 
-def test_kfac_with_a_fixed_lr_stacks_blocks_of_one_shape() -> None:
-    (grouped, few), (per_block, many) = _kfac_fixed(True), _kfac_fixed(False)
+@pytest.mark.parametrize("kwargs", [
+    {"curvature": "empirical", "lr": 0.05, "momentum": 0.9},  # fixed: written to .grad
+    {},  # adaptive: directions per parameter, the quadratic model
+    {"weight_decay": 0.01},  # adaptive, the directions of gradients that are not .grad
+])
+def test_kfac_stacks_blocks_of_one_shape(kwargs: dict[str, Any]) -> None:
+    (grouped, few), (per_block, many) = _kfac(True, **kwargs), _kfac(False, **kwargs)
     for a, b in zip(grouped, per_block, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
     assert few < many, (few, many)
