@@ -207,11 +207,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     model_name = "resnet20" if args.smoke else "resnet50"
     worlds = [1, 2] if args.smoke else [int(w) for w in args.worlds.split(",")]
-    rows = [row for w in worlds for row in run_world(w, model_name, args.timeout)]
+    rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    for w in worlds:  # written after each world size: a run cut short keeps what it has
+        try:
+            rows += run_world(w, model_name, args.timeout)
+        except (RuntimeError, TimeoutError) as err:  # e.g. a rank killed for memory
+            if args.smoke:
+                raise
+            errors[str(w)] = str(err)
+        harness.write(args.out, "factor_memory",
+                      {"model": model_name, "rows": rows, "errors": errors},
+                      argv=argv, script="bench/distributed/factor_memory.py")
     print(table(rows))
-    harness.write(args.out, "factor_memory", {"model": model_name, "rows": rows},
-                  argv=argv, script="bench/distributed/factor_memory.py")
-    return {"rows": rows}
+    for w, err in errors.items():
+        print(f"{w} ranks: {err}")
+    return {"rows": rows, "errors": errors}
 
 
 if __name__ == "__main__":
