@@ -32,10 +32,7 @@ import gc
 import importlib
 import json
 import os
-import socket
 import sys
-import tempfile
-import time
 import types
 import warnings
 from fractions import Fraction
@@ -44,12 +41,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root: bench.harness
 from bench import harness
+from bench.distributed import ranks
 
 _MB = 2**20
 
@@ -150,35 +147,12 @@ def _spawnable_worker() -> Any:
     return importlib.import_module("factor_memory")._worker
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(world: int, model_name: str, timeout: float) -> list[dict[str, Any]]:
     """Every valid fraction of ``world`` ranks: per fraction, every rank's measurements."""
     from kaisa.distributed.strategy import valid_fractions
 
     fractions = [str(f) for f in valid_fractions(world)]
-    ctx = mp.get_context("spawn")
-    worker = _spawnable_worker()
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=worker, args=(r, world, port, model_name, fractions,
-                                                  out_dir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        if any(p.is_alive() for p in procs):
-            for p in procs:
-                p.kill()
-            raise TimeoutError(f"world {world}: not done within {timeout:.0f}s")
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"world {world}: exit codes {[p.exitcode for p in procs]}")
-        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    per_rank = ranks.spawn_ranks(_spawnable_worker(), world, (model_name, fractions), timeout)
     return [{"world": world, "fraction": f, "ranks": [per_rank[r][i] for r in range(world)]}
             for i, f in enumerate(fractions)]
 

@@ -55,13 +55,10 @@ import datetime
 import gc
 import importlib
 import json
-import multiprocessing as mp
 import os
 import re
-import socket
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -80,6 +77,7 @@ from kaisa.train.models import GPT
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root: bench.harness
 from bench import harness
+from bench.distributed import ranks
 
 RESULTS = harness.RESULTS
 CONFIGS = (("ddp", "mem_opt"), ("ddp", "comm_opt"), ("fsdp2", "mem_opt"), ("fsdp2", "comm_opt"))
@@ -88,12 +86,6 @@ SIZES: dict[str, dict[str, int]] = {
     "smoke": dict(d_model=32, n_layers=1, n_heads=2, context=16, batch=2, warmup=1, steps=2),
 }
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "factors", "decompositions")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _status_kb(field: str) -> int:
@@ -262,26 +254,9 @@ def _spawnable_worker() -> Any:
 
 
 def _run_world(world: int, size: dict[str, int], timeout: float) -> list[list[dict[str, Any]]]:
-    ctx = mp.get_context("spawn")
-    worker = _spawnable_worker()
-    port = _free_port()
     # Freed tensors above 128 KiB go back to the OS, so the RSS follows what is held.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=worker, args=(r, world, port, size, out_dir))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        if any(p.is_alive() for p in procs):
-            for p in procs:
-                p.kill()
-            raise TimeoutError(f"world {world}: not done within {timeout:.0f}s")
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"world {world}: exit codes {[p.exitcode for p in procs]}")
-        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    return ranks.spawn_ranks(_spawnable_worker(), world, (size,), timeout)
 
 
 def _summarise(world: int, per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
