@@ -197,8 +197,8 @@ def channel_covariance(x: torch.Tensor, groups: int, scale: float) -> torch.Tens
     On a GPU (any device but the CPU) this is :func:`conv_covariance` with a 1x1 kernel,
     which reads the rows in place: one kernel, no copy. On the CPU ``D`` is copied once and
     each group is :func:`covariance` (one group) or one batched product, as the CPU's
-    factors have always been computed (bit for bit); the copy costs less than the per-image
-    products the 1x1 kernel runs there.
+    factors have always been computed: the 1x1 kernel there sums per image, in another
+    order, and float64 trajectories would change in their last bits.
 
     Args:
         x: ``(N, C, H, W)`` floating point tensor.
@@ -212,10 +212,10 @@ def channel_covariance(x: torch.Tensor, groups: int, scale: float) -> torch.Tens
         TypeError: if ``x`` is not a floating point tensor.
         ValueError: on bad shapes or ``groups``.
     """
-    if x.device.type != "cpu":
-        return conv_covariance(x, (1, 1), (1, 1), (0, 0), (1, 1), groups, False, scale)
     xt, conv = _conv_args(x, (1, 1), (1, 1), (0, 0), (1, 1), groups)
     s = _check_scalar(scale, "scale")
+    if xt.device.type != "cpu":
+        return conv_covariance(xt, (1, 1), (1, 1), (0, 0), (1, 1), groups, False, s)
     n, c, h, w = xt.shape
     d = xt.permute(0, 2, 3, 1).reshape(n * h * w, c)
     if conv.groups == 1:
