@@ -9,8 +9,11 @@ one :class:`CheckpointError` line, before anything of the run is touched.
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 import random
+import shutil
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,14 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from kaisa.train.distributed import DistContext, all_reduce_sum
 from kaisa.train.files import write_atomic
 
 __all__ = [
     "CheckpointError",
     "check_matches",
     "load",
+    "retain",
     "rng_state",
     "save",
+    "save_agreed",
     "seed_rng",
     "set_rng_state",
     "verify",
@@ -99,6 +105,69 @@ def save(path: Path, payload: dict[str, Any]) -> None:
     write_atomic(path, buffer.getvalue())
 
 
+def save_agreed(path: Path, payload: dict[str, Any], context: DistContext) -> None:
+    """:func:`save` on rank 0, then every rank learns whether it worked (one all-reduce).
+
+    So a failed write (disk full) stops every rank with the same error at the same step,
+    instead of rank 0 alone while the others wait for it in the next step.
+
+    Raises:
+        OSError: On every rank if rank 0's write failed (rank 0's names the file).
+    """
+    failure: OSError | None = None
+    if context.is_main:
+        try:
+            save(path, payload)
+        except OSError as err:
+            failure = err
+    flag = all_reduce_sum(torch.tensor([float(failure is not None)], dtype=torch.float64),
+                          context)
+    if failure is not None:
+        raise failure
+    if flag[0] > 0:
+        raise OSError(errno.EIO, "rank 0 could not write the checkpoint", str(path))
+
+
+def kept_name(path: Path, steps: int) -> Path:
+    """Where ``--keep`` keeps the checkpoint ``path`` of step ``steps``.
+
+    ``checkpoint.pt`` -> ``checkpoint.step000000120.pt`` (``.dcp`` likewise).
+    """
+    return path.with_name(f"{path.stem}.step{steps:09d}{path.suffix}")
+
+
+def retain(path: Path, steps: int, keep: int) -> None:
+    """Keep checkpoint ``path`` (of step ``steps``) as :func:`kept_name` too; prune to ``keep``.
+
+    Kept ones beyond the newest ``keep`` are deleted (``keep`` 1: nothing is kept). The
+    copy is a hard link (file by file for a DCP directory): no bytes are written.
+    """
+    if keep <= 1:
+        return
+    target = kept_name(path, steps)
+    _remove(target)  # one written at the same step before (a time budget's end)
+    try:
+        if path.is_dir():
+            shutil.copytree(path, target, copy_function=os.link)
+        else:
+            os.link(path, target)
+    except OSError as err:
+        _remove(target)
+        if err.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP):
+            raise
+        (shutil.copytree if path.is_dir() else shutil.copy2)(path, target)  # no hard links
+    kept = sorted(path.parent.glob(f"{path.stem}.step*{path.suffix}"))
+    for old in kept[: max(0, len(kept) - keep)]:
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def verify(path: Path) -> None:
     """Check every member of the checkpoint's zip archive against its stored CRC-32.
 
@@ -154,7 +223,8 @@ def load(path: Path, device: torch.device) -> dict[str, Any]:
 #: Settings that may change between a run and its resumption.
 RESUMABLE = frozenset(
     {"epochs", "time_budget", "resume", "overwrite", "quiet", "log_every", "plot", "threads",
-     "run_dir", "name", "compare", "target", "device", "replicate"}
+     "run_dir", "name", "compare", "target", "device", "replicate", "checkpoint_every",
+     "keep", "stop_signals", "grace"}
 )
 
 #: Settings added since checkpoints first recorded them, with the value they had before: a

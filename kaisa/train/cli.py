@@ -25,6 +25,7 @@ from kaisa.train.data import (
 from kaisa.train.lock import RunDirBusyError, RunLock
 from kaisa.train.optim import OWN_CURVATURE, build_kfac, build_optimizer, build_preconditioner
 from kaisa.train.options import build_parser
+from kaisa.train.preemption import EXIT_STOPPED, Preempted, StopSignals
 from kaisa.train.text import STDLIB_TEXT, load_text
 from kaisa.train.trainer import NonFiniteLossError, Record, RunResult, build, model_for, train
 
@@ -44,7 +45,9 @@ class UsageError(Exception):
 
 
 #: Exit statuses of ``kaisa-train``: done, diverged, usage error, cannot resume, cannot
-#: write the run's files (disk full, ``ulimit -f``, read-only), interrupted (Ctrl-C).
+#: write the run's files (disk full, ``ulimit -f``, read-only), stopped by a stop signal
+#: with a checkpoint at that step (:data:`~kaisa.train.preemption.EXIT_STOPPED`),
+#: interrupted (Ctrl-C). Stopped at once (a second signal, the grace time): 128 + signal.
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_CHECKPOINT, EXIT_IO = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
 
@@ -156,14 +159,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kaisa-train``; returns the exit status.
 
     0 ok, 1 a configuration diverged, 2 usage error, 3 a checkpoint cannot be resumed
-    from, 4 the run's files cannot be written, 130 interrupted (every error is one line
-    on stderr).
+    from, 4 the run's files cannot be written, 75 stopped by a stop signal (a checkpoint
+    at that step written), 130 interrupted, 128 + signal stopped at once (every error is
+    one line on stderr).
     """
     parser = build_parser()
     options = parser.parse_args(argv)
     context = distributed.setup(options.device, timeout_s=options.pg_timeout)
+    signals = StopSignals(options.stop_signals, grace=options.grace, is_main=context.is_main)
     try:
-        status = _run(options, parser, context)
+        with signals:
+            status = _run(options, parser, context, signals)
+    except Preempted as stop:
+        distributed.teardown(context, wait=False)
+        if context.is_main:
+            print(f"kaisa-train: {stop}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     except (UsageError, DatasetError) as failure:
         distributed.teardown(context, wait=False)
         _error(str(failure), context.is_main)
@@ -252,6 +263,9 @@ def _prepare_run_dir(
         except OSError as failure:
             problem = failure
         problem = problem or _not_a_file(options, run_dir)
+        if problem is None and options.resume and run_dir.is_dir():
+            for old in sorted(run_dir.glob("checkpoint*.dcp.old")):  # killed inside a swap
+                sharded.recover(old.with_name(old.name.removesuffix(".old")))
     existing = [] if options.resume else _existing_run_files(run_dir)
     refuse = bool(existing) and not options.overwrite
     flags = torch.tensor([float(refuse), float(problem is not None)], dtype=torch.float64)
@@ -321,6 +335,7 @@ def _run(
     options: argparse.Namespace,
     parser: argparse.ArgumentParser,
     context: distributed.DistContext,
+    signals: StopSignals,
 ) -> int:
     _complete(options, context.world_size)
     options.world_size = context.world_size  # recorded; --resume refuses another one
@@ -340,7 +355,8 @@ def _run(
         states = _resume_states(specs, configs, data, run_dir, context)  # nothing written yet
         metrics = report.MetricsFile(path=run_dir / "metrics.jsonl") if context.is_main else None
         try:
-            status = _train_all(options, specs, configs, states, data, run_dir, context, metrics)
+            status = _train_all(options, specs, configs, states, data, run_dir, context, metrics,
+                                signals)
         except BaseException:
             if metrics is not None:
                 metrics.abort()
@@ -360,6 +376,7 @@ def _train_all(
     run_dir: Path,
     context: distributed.DistContext,
     metrics: report.MetricsFile | None,
+    signals: StopSignals,
 ) -> int:
     """Trains every configuration in turn; writes the summary, table and plot (rank 0)."""
     metric = report.target_metric(options.task)
@@ -384,13 +401,13 @@ def _train_all(
                 tqdm.write(report.epoch_line(record, epochs), file=sys.stdout)
                 sys.stdout.flush()
 
-        if config.resume and state is None and context.is_main:
+        if config.resume is True and state is None and context.is_main:
             print(f"kaisa-train: no {run_dir / name} to resume; starting from scratch",
                   file=sys.stderr)
         try:
             result = train(
                 config, data, context, checkpoint_path=run_dir / name, on_record=on_record,
-                resume_state=state,
+                resume_state=state, signals=signals,
             )
         except NonFiniteLossError as error:
             status = EXIT_DIVERGED

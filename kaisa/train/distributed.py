@@ -81,6 +81,15 @@ def all_reduce_sum(values: torch.Tensor, context: DistContext) -> torch.Tensor:
     return values
 
 
+def all_gather_rows(values: torch.Tensor, context: DistContext) -> torch.Tensor:
+    """Every rank's ``values`` (a 1-D CPU tensor) as the rows of one ``(world, n)`` tensor."""
+    if not context.enabled:
+        return values.unsqueeze(0).clone()
+    parts = [torch.empty_like(values, device=context.device) for _ in range(context.world_size)]
+    dist.all_gather(parts, values.to(context.device))
+    return torch.stack(parts).cpu()
+
+
 class OrderedAllreduce:
     """A DDP communication hook whose sums do not depend on DDP's bucket layout.
 

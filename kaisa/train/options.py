@@ -9,6 +9,7 @@ from kaisa.train.argtypes import finite, int_from, kl_clip
 from kaisa.train.data import DATASETS
 from kaisa.train.models import MODELS, TEXT_MODELS
 from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_worker_fraction
+from kaisa.train.preemption import add_arguments as add_preemption_arguments
 from kaisa.train.text import add_arguments as add_lm_arguments
 
 #: The main job's configurations (``--compare`` without a value): the first-order
@@ -29,6 +30,12 @@ examples:
 Options shown as 'tuned' default to values tuned per task and optimiser on
 digits (see docs/training.md); generic values are used for other datasets.
 """
+
+
+def _resume_mode(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"expected 'auto' or nothing, got {text!r}")
+    return text
 
 
 def _add_kfac(parser: argparse.ArgumentParser) -> None:
@@ -373,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_kfac(parser)
     add_lm_arguments(parser, int_from(1))
+    add_preemption_arguments(parser)
     group = parser.add_argument_group("comparison and output")
     add = group.add_argument
     add(
@@ -397,10 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--run-dir", default="runs", help="parent directory of runs (default: %(default)s)")
     add(
         "--resume",
-        action="store_true",
-        help="continue each configuration from runs/NAME/checkpoint*.pt (checked first: a "
-        "corrupt file or one from another model or configuration exits with status 3 and "
-        "touches nothing)",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_resume_mode,
+        metavar="auto",
+        help="continue each configuration from runs/NAME/checkpoint*.pt, mid-epoch if it was "
+        "written there (checked first: a corrupt file or one from another model or "
+        "configuration exits with status 3 and touches nothing); a configuration without "
+        "a checkpoint starts from scratch, with a note (none with 'auto', for restart "
+        "loops such as torchrun --max-restarts)",
     )
     add(
         "--overwrite",

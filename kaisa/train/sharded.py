@@ -13,7 +13,8 @@ model sharded over ``world / R`` ranks. A checkpoint is a directory (``checkpoin
   keeps them for the DDP path.
 
 A save writes ``checkpoint.dcp.partial`` and then swaps it in for the previous checkpoint,
-so a run stopped while saving resumes from the previous one. A checkpoint loads at another
+so a run stopped while saving (killed, or a full disk: every rank then stops with the
+error) resumes from the previous one. A checkpoint loads at another
 world size (and another ``--replicate``): DCP reshards the model and optimizer state and
 the K-FAC placement is recomputed.
 """
@@ -21,6 +22,7 @@ the K-FAC placement is recomputed.
 from __future__ import annotations
 
 import argparse
+import errno
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -46,7 +49,8 @@ import kaisa.checkpoint
 from kaisa.train import checkpoint
 from kaisa.train.distributed import DistContext
 
-__all__ = ["TRAINER_FILE", "check_config", "check_options", "load", "read", "save", "shard"]
+__all__ = ["TRAINER_FILE", "check_config", "check_options", "load", "read", "recover", "save",
+           "shard"]
 
 #: The file of a checkpoint directory that holds the trainer's own state.
 TRAINER_FILE = "trainer.pt"
@@ -127,20 +131,67 @@ def save(path: Path, state: dict[str, Any], model: nn.Module, optimizer: Any,
     if context.is_main:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    if _has_curvature(optimizer, preconditioner):
-        kaisa.checkpoint.save(partial, model, optimizer, preconditioner)
-    else:
-        dcp_save({"model": get_model_state_dict(model),
-                  "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=partial)
-    if context.is_main:
-        checkpoint.save(partial / TRAINER_FILE, state)
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        partial.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    failure: OSError | None = None
+    try:
+        if _has_curvature(optimizer, preconditioner):
+            kaisa.checkpoint.save(partial, model, optimizer, preconditioner)
+        else:
+            dcp_save({"model": get_model_state_dict(model),
+                      "optim": get_optimizer_state_dict(model, optimizer)},
+                     checkpoint_id=partial)
+    except CheckpointException as err:  # every rank raises it: a rank's write failed
+        failure = _os_error(err, partial)
+    if failure is None and context.is_main:
+        try:
+            checkpoint.save(partial / TRAINER_FILE, state)
+            _swap_in(partial, path)
+        except OSError as err:
+            failure = err
+    flag = torch.tensor([float(failure is not None)], dtype=torch.float64)
+    dist.all_reduce(flag)  # every rank stops with the error, or none does
+    if flag[0] > 0:
+        if context.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise failure or OSError(errno.EIO, "rank 0 could not write the checkpoint", str(path))
+
+
+def _swap_in(partial: Path, path: Path) -> None:
+    """Replace the checkpoint ``path`` by the whole one ``partial`` (two renames).
+
+    Stopped between the two, ``path.old`` is the previous checkpoint and ``path`` is
+    missing: :func:`recover` puts it back.
+    """
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    partial.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(path: Path) -> bool:
+    """Puts back the previous checkpoint ``path.old`` of a save stopped inside its swap.
+
+    Returns:
+        Whether it did (``path`` was missing and ``path.old`` there).
+    """
+    old = path.with_name(path.name + ".old")
+    if path.exists() or not old.is_dir():
+        return False
+    old.rename(path)
+    return True
+
+
+def _os_error(err: CheckpointException, partial: Path) -> OSError:
+    """The first ``OSError`` of a failed DCP save (disk full, read-only), naming its file.
+
+    Anything else is re-raised.
+    """
+    for failed, _ in err.failures.values():
+        if isinstance(failed, OSError):
+            return OSError(failed.errno, failed.strerror or str(failed),
+                           failed.filename or str(partial))
+    raise err
 
 
 def read(path: Path, device: torch.device) -> dict[str, Any]:

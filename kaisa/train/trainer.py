@@ -21,7 +21,7 @@ from tqdm import tqdm
 from kaisa.train import checkpoint, sharded
 from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
-from kaisa.train.distributed import DistContext, all_reduce_sum, data_parallel
+from kaisa.train.distributed import DistContext, all_gather_rows, all_reduce_sum, data_parallel
 from kaisa.train.evaluation import epoch_record, loss_fn
 from kaisa.train.files import deferred_interrupt
 from kaisa.train.models import build_model, gpt
@@ -32,6 +32,7 @@ from kaisa.train.optim import (
     build_preconditioner,
     build_scheduler,
 )
+from kaisa.train.preemption import Preempted, StopSignals
 
 Record = dict[str, Any]
 
@@ -115,9 +116,11 @@ class Trainer:
         *,
         checkpoint_path: Path,
         on_record: Callable[[Record], None],
+        signals: StopSignals | None = None,
     ) -> None:
         self.options, self.data, self.context = options, data, context
         self.checkpoint_path, self.on_record = checkpoint_path, on_record
+        self.signals = signals
         self.model = build(options, data, context)
         self.result = RunResult(label=options.label, init_checksum=fingerprint(self.model))
         self.net: nn.Module = (sharded.shard(self.model, context, options.replicate)
@@ -159,7 +162,10 @@ class Trainer:
                                     else self.pre), file=sys.stdout)
         self.kfac_offset: dict[str, float] = {}
         self.epoch = 0
+        #: Where a checkpoint written inside an epoch stopped it (``None``: at its end).
+        self.position: dict[str, Any] | None = None
         self.started = time.perf_counter()
+        self.last_save = time.monotonic()
 
     def resume(self, state: dict[str, Any]) -> None:
         """Restore everything from a checked checkpoint; replay its history to ``on_record``."""
@@ -176,39 +182,53 @@ class Trainer:
         result = self.result
         self.epoch, result.steps = state["epoch"], state["steps"]
         result.train_time, result.history = state["train_time"], state["history"]
-        self.kfac_offset = dict(result.history[-1].get("kfac", {}))
-        self.started -= result.history[-1]["wall"]
+        self.position = state.get("position")
+        self.kfac_offset = dict(result.history[-1].get("kfac", {}) if self.position is None
+                                else self.position["kfac"])
+        self.started -= (result.history[-1]["wall"] if self.position is None
+                         else self.position["wall"])
         for record in result.history:
             self.on_record(record)
 
-    def save(self) -> None:
-        """Write the checkpoint (rank 0); every rank builds the state in case it is collective."""
+    def save(self, position: dict[str, Any] | None = None, train_time: float | None = None,
+             ) -> None:
+        """Write the checkpoint; every rank calls it (building the state may be collective).
+
+        Args:
+            position: Inside an epoch (``--checkpoint-every``, a stop signal): where the
+                epoch continues (its micro-batch index, every rank's running totals, the
+                augmentation generator); ``None`` at an epoch's end.
+            train_time: The training seconds so far (default: the result's).
+        """
         result = self.result
         state = {
             "label": self.options.label,
             "settings": settings(self.options),
-            "epoch": self.epoch,
+            "epoch": self.epoch if position is None else self.epoch - 1,
             "steps": result.steps,
-            "train_time": result.train_time,
+            "train_time": result.train_time if train_time is None else train_time,
             "history": result.history,
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(),
+            "position": position,
         }
         if self.options.fsdp:
             sharded.save(self.checkpoint_path, state, self.model, self.optimizer,
                          self._preconditioner(), self.context)
-            return
-        state |= {
-            "model": self.model.state_dict(),
-            # K-FAC: with the decompositions other ranks hold (MEM-OPT, HYBRID-OPT)
-            "optimizer": (cast(Any, self.optimizer).state_dict(gather=True)
-                          if self.owns_curvature else self.optimizer.state_dict()),
-            "preconditioner": (
-                None if self._preconditioner() is None else self.pre.state_dict(gather=True)
-            ),
-        }
+        else:
+            state |= {
+                "model": self.model.state_dict(),
+                # K-FAC: with the decompositions other ranks hold (MEM-OPT, HYBRID-OPT)
+                "optimizer": (cast(Any, self.optimizer).state_dict(gather=True)
+                              if self.owns_curvature else self.optimizer.state_dict()),
+                "preconditioner": (
+                    None if self._preconditioner() is None else self.pre.state_dict(gather=True)
+                ),
+            }
+            checkpoint.save_agreed(self.checkpoint_path, state, self.context)
         if self.context.is_main:
-            checkpoint.save(self.checkpoint_path, state)
+            checkpoint.retain(self.checkpoint_path, result.steps, self.options.keep)
+        self.last_save = time.monotonic()
 
     def _preconditioner(self) -> Any:
         """The :class:`kaisa.KFACPreconditioner` (``None``: none, or the optimizer's own)."""
@@ -244,17 +264,21 @@ class Trainer:
             record["partial_epoch"] = True
         record |= epoch_record(self.options, self.model, self.data, self.context)
         if self.pre is not None:
-            timings = {k: float(v) for k, v in self.pre.timings.items()}
-            if self.kfac_optimizer:  # the optimizer's own phases (quadratic model, LM rule)
-                extra = cast(Any, self.optimizer).timings
-                timings |= {k: float(extra[k]) for k in ("quadratic_model", "damping")}
-            record["kfac"] = {k: self.kfac_offset.get(k, 0.0) + v for k, v in timings.items()}
+            record["kfac"] = self._kfac_timings()
         record["seconds_per_iter"] = result.train_time / max(1, result.steps)
         record["wall"] = time.perf_counter() - self.started
         result.history.append(record)
         if emit:
             self.on_record(record)
         return record
+
+    def _kfac_timings(self) -> dict[str, float]:
+        """K-FAC's seconds per phase since the run began (those before a resume included)."""
+        timings = {k: float(v) for k, v in self.pre.timings.items()}
+        if self.kfac_optimizer:  # the optimizer's own phases (quadratic model, LM rule)
+            extra = cast(Any, self.optimizer).timings
+            timings |= {k: float(extra[k]) for k in ("quadratic_model", "damping")}
+        return {k: self.kfac_offset.get(k, 0.0) + v for k, v in timings.items()}
 
     def _lr(self) -> float:
         """The learning rate of the last step (KFAC: the quadratic model's choice)."""
@@ -308,36 +332,47 @@ class Trainer:
         )
 
     def run_epoch(self, budget: float, show_bar: bool) -> bool:
-        """Train one epoch (or until ``budget`` seconds); return whether time ran out."""
+        """Train one epoch (or until ``budget`` seconds); return whether time ran out.
+
+        A resumed mid-epoch checkpoint continues the epoch where it stopped. After each
+        optimizer step the ranks agree (one all-reduce of flags, made per micro-batch
+        anyway) on a non-finite loss, the time budget, a stop signal and a due
+        ``--checkpoint-every`` time.
+
+        Raises:
+            NonFiniteLossError: On a NaN or infinite loss.
+            Preempted: After writing the checkpoint at the step a stop signal ended.
+        """
         options, context, result = self.options, self.context, self.result
         self.epoch += 1
         self.sampler.set_epoch(self.epoch)
         order = torch.tensor(list(self.sampler))
         generator = torch.Generator().manual_seed(options.seed * 100_003 + self.epoch)
-        bar = tqdm(
-            total=self.micro_batches,
-            desc=f"{options.label} {self.epoch}",
-            leave=False,
-            disable=not show_bar,
-            unit="it",
-        )
-        totals = torch.zeros(3, dtype=torch.float64)
+        totals, first = torch.zeros(3, dtype=torch.float64), 0
+        if (position := self.position) is not None:
+            self.position = None
+            first, totals = position["index"], position["totals"][context.rank].clone()
+            generator.set_state(position["generator"])
+        bar = tqdm(total=self.micro_batches, initial=first, desc=f"{options.label} {self.epoch}",
+                   leave=False, disable=not show_bar, unit="it")
         out_of_time, start = False, time.perf_counter()
-        for index in range(self.micro_batches):
+        stop, due = False, False
+        every = options.checkpoint_every
+        for index in range(first, self.micro_batches):
             batch = order[index * options.batch_size : (index + 1) * options.batch_size]
             x, y = self.data.batch(batch, self.epoch)
             if options.augment:
                 x = augment_batch(x, generator)
-            last_micro = (index + 1) % options.accumulation_steps == 0
-            stats = self._step(
-                x.to(context.device),
-                y.to(context.device),
-                last_micro or index + 1 == self.micro_batches,
-            )
+            stepped = (index + 1) % options.accumulation_steps == 0
+            stepped = stepped or index + 1 == self.micro_batches
+            stats = self._step(x.to(context.device), y.to(context.device), stepped)
             elapsed = result.train_time + time.perf_counter() - start
             flags = torch.tensor(
-                [float(not torch.isfinite(stats[0])), float(elapsed >= budget)], dtype=torch.float64
-            )
+                [float(not torch.isfinite(stats[0])), float(elapsed >= budget),
+                 float(self.signals is not None and self.signals.requested is not None),
+                 float(every.seconds is not None
+                       and time.monotonic() - self.last_save >= every.seconds)],
+                dtype=torch.float64)
             all_reduce_sum(flags, context)
             if flags[0] > 0:
                 bar.close()
@@ -355,6 +390,20 @@ class Trainer:
             if flags[1] > 0:
                 out_of_time = True
                 break
+            stop, due = stop or bool(flags[2] > 0), due or bool(flags[3] > 0)
+            due = due or (every.steps is not None and stepped and result.steps % every.steps == 0)
+            if stepped and (stop or due) and index + 1 < self.micro_batches:
+                bar.close()
+                self.save(position={
+                    "index": index + 1,
+                    "totals": all_gather_rows(totals, context),
+                    "generator": generator.get_state(),
+                    "wall": time.perf_counter() - self.started,
+                    "kfac": {} if self.pre is None else self._kfac_timings(),
+                }, train_time=result.train_time + time.perf_counter() - start)
+                due = False
+                if stop:
+                    raise self._preempted()
         if context.device.type == "cuda":
             torch.cuda.synchronize()
         result.train_time += time.perf_counter() - start
@@ -367,7 +416,24 @@ class Trainer:
         with deferred_interrupt():  # checkpoint first, then its metrics line: never one alone
             self.save()
             self.on_record(record)
+        if not out_of_time and self.epoch < options.epochs and self._stop_agreed():
+            raise self._preempted()
         return out_of_time
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got a stop signal (every rank calls it: one all-reduce)."""
+        flag = torch.tensor([float(self.signals is not None
+                                   and self.signals.requested is not None)], dtype=torch.float64)
+        return bool(all_reduce_sum(flag, self.context)[0] > 0)
+
+    def _preempted(self) -> Preempted:
+        """The stop after the checkpoint at this step (the grace timer is cancelled)."""
+        assert self.signals is not None
+        self.signals.done()
+        return Preempted(label=self.options.label,
+                         signal_name=self.signals.requested or "a stop signal to another rank",
+                         epoch=self.epoch, step=self.result.steps,
+                         path=str(self.checkpoint_path))
 
 
 def train(
@@ -378,6 +444,7 @@ def train(
     checkpoint_path: Path,
     on_record: Callable[[Record], None],
     resume_state: dict[str, Any] | None = None,
+    signals: StopSignals | None = None,
 ) -> RunResult:
     """Train the configuration ``options.label`` and return its history.
 
@@ -385,19 +452,16 @@ def train(
     already loaded and checked by the caller) it continues from there. Stops after
     ``options.epochs`` epochs or ``options.time_budget`` seconds of training (evaluation
     excluded). Raises :class:`NonFiniteLossError` on a NaN or infinite loss, leaving the
-    last good checkpoint in place.
+    last good checkpoint in place, and :class:`~kaisa.train.preemption.Preempted` after
+    the checkpoint at the step where one of ``signals`` stopped it.
     """
     if resume_state is None and context.is_main:
         checkpoint_path.unlink(missing_ok=True)
-    trainer = Trainer(options, data, context, checkpoint_path=checkpoint_path, on_record=on_record)
+    trainer = Trainer(options, data, context, checkpoint_path=checkpoint_path,
+                      on_record=on_record, signals=signals)
     if resume_state is not None:
         trainer.resume(resume_state)
     else:
-        if options.resume and context.is_main:
-            print(
-                f"kaisa-train: no {checkpoint_path} to resume; starting from scratch",
-                file=sys.stderr,
-            )
         trainer.record({"train_loss": math.nan})
     budget = options.time_budget or math.inf
     show_bar = context.is_main and not options.quiet and sys.stderr.isatty()

@@ -1,0 +1,247 @@
+"""kaisa-train preempted under torchrun (2 gloo ranks on 127.0.0.1): DDP and ``--fsdp``.
+
+* SIGTERM at 5 random moments, to torchrun (which forwards it to every rank) or to one
+  rank alone (the other learns of it in the next step's all-reduce): every time exit 75
+  within the grace time, one line from rank 0, a checkpoint at the step both ranks agreed
+  on; the chain of resumes equals an uninterrupted run bit for bit.
+* ``--fsdp``: SIGKILL of one rank at 10 random file operations inside DCP saves (every
+  step saves), under ``torchrun --max-restarts 10 --resume auto``: each restart resumes from
+  the last whole checkpoint, and the run ends equal to an uninterrupted one.
+* ``--fsdp``: a full disk (a small tmpfs) during a save: one line, exit 4 on every rank, the
+  previous checkpoint whole; after freeing space ``--resume`` ends bit for bit.
+* ``torchrun --max-restarts 1 --resume auto`` with one rank killed mid-run (DDP).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from kaisa.train.preemption import EXIT_STOPPED
+from tests.support.torchrun import torchrun
+from tests.train.preempt_support import (
+    assert_same,
+    epochs_written,
+    learned_state,
+    records,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIM = ROOT / "tests" / "support" / "killshim"
+
+#: DDP: the digits CNN with K-FAC, 23 steps of 32 per rank and epoch.
+DDP = ["--task", "classify", "--kfac", "--batch-size", "32", "--epochs", "5"]
+#: --fsdp: the byte GPT, AdamW + K-FAC, 10 steps per epoch.
+FSDP = ["--task", "lm", "--d-model", "32", "--context", "16", "--steps-per-epoch", "10",
+        "--eval-windows", "16", "--text-bytes", "20000", "--batch-size", "4", "--fsdp",
+        "--kfac", "--optimizer", "adamw", "--epochs", "4"]
+COMMON = ["--quiet", "--no-plot"]
+
+
+def _command(run_dir: Path, name: str, args: list[str], restarts: int = 0) -> list[str]:
+    return [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+            "--nproc_per_node=2", f"--max-restarts={restarts}", "-m", "kaisa.train",
+            "--run-dir", str(run_dir), "--name", name, *COMMON, *args]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "KAISA_BACKEND": "torch",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            **extra}
+
+
+def _launch(run_dir: Path, name: str, args: list[str], restarts: int = 0,
+            **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(_command(run_dir, name, args, restarts), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(**env))
+
+
+def _workers(agent: subprocess.Popen[str]) -> dict[int, psutil.Process]:
+    """The agent's worker processes by rank (from each one's ``RANK``)."""
+    out: dict[int, psutil.Process] = {}
+    for child in psutil.Process(agent.pid).children():
+        try:
+            out[int(child.environ()["RANK"])] = child
+        except (psutil.Error, KeyError, ValueError):
+            continue
+    return out
+
+
+def _dcp(path: Path) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint directory, and its ``trainer.pt`` without times."""
+    out = path.with_name(path.name + ".whole.pt")
+    dcp_to_torch_save(path, out)
+    state: dict[str, Any] = torch.load(out, weights_only=False)
+    out.unlink()
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    state["trainer"] = {k: trainer[k] for k in ("epoch", "steps", "scheduler", "rng")}
+    return state
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted runs, ``ddp`` and ``fsdp``: what every stopped chain must equal."""
+    base = tmp_path_factory.mktemp("whole")
+    for name, args in (("ddp", DDP), ("fsdp", FSDP)):
+        torchrun(2, ["--run-dir", str(base), "--name", name, *COMMON, *args],
+                 log_dir=base / "stderr")
+    return base
+
+
+def _assert_equals_whole(run: Path, whole: Path, fsdp: bool) -> None:
+    if fsdp:
+        assert_same(_dcp(run / "checkpoint.dcp"), _dcp(whole / "checkpoint.dcp"))
+    else:
+        assert_same(learned_state(run / "checkpoint.pt"), learned_state(whole / "checkpoint.pt"))
+    assert records(run) == records(whole)
+
+
+def _written_since(path: Path, since_ns: int) -> bool:
+    return path.is_file() and path.stat().st_mtime_ns > since_ns and path.stat().st_size > 0
+
+
+def _steps(run: Path, fsdp: bool) -> int:
+    path = run / "checkpoint.dcp" / "trainer.pt" if fsdp else run / "checkpoint.pt"
+    return int(torch.load(path, weights_only=True)["steps"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_sigterm_at_five_random_moments_under_torchrun(
+    mode: str, whole: Path, tmp_path: Path
+) -> None:
+    fsdp = mode == "fsdp"
+    args, run = FSDP if fsdp else DDP, tmp_path / mode
+    rng = random.Random(7 if fsdp else 11)
+    stops: list[int] = []
+    for attempt in range(5):
+        launched = time.time_ns()
+        agent = _launch(tmp_path, mode, [*args, *(["--resume"] if attempt else [])])
+        # training has begun (the stop signals are handled) once this launch wrote a record
+        wait_until(lambda t=launched: _written_since(run / "metrics.jsonl", t), timeout=180,
+                   what="the first record", alive=lambda a=agent: a.poll() is None)
+        time.sleep(rng.uniform(0.1, 0.5))
+        target = ("torchrun", "rank 1", "rank 0")[attempt % 3]
+        if target == "torchrun":  # forwards it to every rank
+            agent.send_signal(signal.SIGTERM)
+        else:  # one rank alone: the other stops at the same step
+            _workers(agent)[int(target[-1])].send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = agent.communicate(timeout=120)
+        assert time.monotonic() - sent < 25.0, err[-3000:]
+        assert agent.returncode != 0, err[-3000:]
+        ours = [line for line in err.splitlines() if line.startswith("kaisa-train: ")]
+        assert len(ours) == 1 and "stopped by " in ours[0], err[-3000:]
+        assert ("SIGTERM" in ours[0]) == (target != "rank 1"), ours
+        assert f"exitcode  : {EXIT_STOPPED}" in err or target == "torchrun", err[-3000:]
+        stops.append(_steps(run, fsdp))
+        assert f"at step {stops[-1]} " in ours[0], (ours, stops)
+        assert not list(run.glob("*.partial")), list(run.iterdir())
+    assert stops == sorted(stops) and len(set(stops)) == 5, stops
+    torchrun(2, ["--run-dir", str(tmp_path), "--name", mode, *COMMON, *args, "--resume"],
+             log_dir=tmp_path / "stderr")
+    _assert_equals_whole(run, whole / mode, fsdp)
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_of_a_rank_at_ten_points_of_dcp_saves_resumes_bit_exact(
+    whole: Path, tmp_path: Path
+) -> None:
+    """Every step saves; 10 launches each lose a rank at a random file operation of a save
+    (rank 0: ~12 per save, from clearing the partial directory to removing the old
+    checkpoint after the swap; rank 1: its shard files). torchrun restarts the group, which
+    resumes from the last whole checkpoint."""
+    rng = random.Random(2026)
+    kills = [[rank, rng.randint(1, 24 if rank == 0 else 4)]
+             for rank in (rng.randint(0, 1) for _ in range(10))]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kills": kills}))
+    agent = _launch(tmp_path, "killed", [*FSDP, "--checkpoint-every", "1", "--resume", "auto"],
+                    restarts=len(kills), KAISA_TEST_KILL_PLAN=str(plan),
+                    PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT)]))
+    _, err = agent.communicate(timeout=840)
+    (tmp_path / "torchrun.stderr").write_text(err)
+    done = plan.with_name(plan.name + ".done").read_text().split("\n")[:-1]
+    assert [line.split() for line in done] == [[str(r), str(op)] for r, op in kills], done
+    assert agent.returncode == 0, err[-4000:]
+    assert not list((tmp_path / "killed").glob("*.partial"))
+    _assert_equals_whole(tmp_path / "killed", whole / "fsdp", fsdp=True)
+
+
+@pytest.mark.timeout(600)
+def test_max_restarts_with_resume_auto_survives_a_killed_rank(
+    whole: Path, tmp_path: Path
+) -> None:
+    agent = _launch(tmp_path, "restarted",
+                    [*DDP, "--checkpoint-every", "10", "--resume", "auto"], restarts=1)
+    run = tmp_path / "restarted"
+    wait_until(lambda: epochs_written(run) > 2 and len(_workers(agent)) == 2, timeout=240,
+               what="epoch 2", alive=lambda: agent.poll() is None)
+    time.sleep(0.3)
+    _workers(agent)[1].send_signal(signal.SIGKILL)
+    _, err = agent.communicate(timeout=480)
+    assert agent.returncode == 0, err[-4000:]
+    assert "Signals.SIGKILL" in err or "-9" in err, err[-4000:]  # torchrun saw the kill
+    _assert_equals_whole(run, whole / "ddp", fsdp=False)
+
+
+def _can_mount_tmpfs() -> str | None:
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /mnt 2>&1 || "
+                            "mount -t tmpfs -o size=1m tmpfs /tmp 2>&1"],
+                           capture_output=True, text=True, check=False)
+    return None if probe.returncode == 0 else (probe.stderr or probe.stdout).strip()
+
+
+@pytest.mark.timeout(600)
+def test_a_full_disk_during_a_dcp_save_is_one_line_and_keeps_the_checkpoint(
+    whole: Path, tmp_path: Path
+) -> None:
+    """The run folder on a tmpfs that holds one checkpoint but not two (a save writes the
+    new one beside the previous): the second save fails on every rank; after the tmpfs
+    grows, ``--resume`` continues from the first and ends equal to the uninterrupted run."""
+    if shutil.which("unshare") is None or (why := _can_mount_tmpfs()) is not None:
+        pytest.skip(f"needs a tmpfs mounted in a user namespace (unshare -Urm): {why}")
+    size = sum(p.stat().st_size for p in (whole / "fsdp" / "checkpoint.dcp").iterdir())
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    first = " ".join(_command(disk, "full", [*FSDP, "--checkpoint-every", "1"]))
+    again = " ".join(_command(disk, "full", [*FSDP, "--resume"]))
+    script = f"""
+        mount -t tmpfs -o size={int(size * 1.5) + 65536} tmpfs {disk}
+        {first} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.rc
+        cp -a {disk}/full {out}/after
+        mount -o remount,size=256m {disk}
+        {again} > {out}/again.out 2> {out}/again.err; echo $? > {out}/again.rc
+        cp -a {disk}/full {out}/final
+    """
+    subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-ec", script],
+                   env=_env(), check=True, timeout=560)
+    err = (out / "first.err").read_text()
+    assert (out / "first.rc").read_text().strip() != "0", err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("kaisa-train: ")]
+    assert len(ours) == 1, err[-3000:]
+    assert "No space left on device" in ours[0] and "checkpoint.dcp" in ours[0], ours
+    assert err.count("exitcode  : 4") == 2 or "exitcode  : 4" in err, err[-3000:]
+    assert (out / "after" / "checkpoint.dcp" / "trainer.pt").is_file()
+    assert not list((out / "after").glob("*.partial")), list((out / "after").iterdir())
+    assert _steps(out / "after", fsdp=True) == 1
+    assert (out / "again.rc").read_text().strip() == "0", (out / "again.err").read_text()[-3000:]
+    _assert_equals_whole(out / "final", whole / "fsdp", fsdp=True)
