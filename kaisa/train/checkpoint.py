@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kaisa.train.distributed import DistContext, all_reduce_sum
+from kaisa.train.distributed import DistContext, raise_together
 from kaisa.train.files import write_atomic
 
 __all__ = [
@@ -120,12 +120,7 @@ def save_agreed(path: Path, payload: dict[str, Any], context: DistContext) -> No
             save(path, payload)
         except OSError as err:
             failure = err
-    flag = all_reduce_sum(torch.tensor([float(failure is not None)], dtype=torch.float64),
-                          context)
-    if failure is not None:
-        raise failure
-    if flag[0] > 0:
-        raise OSError(errno.EIO, "rank 0 could not write the checkpoint", str(path))
+    raise_together(failure, context, path)
 
 
 def kept_name(path: Path, steps: int) -> Path:

@@ -6,6 +6,7 @@ import argparse
 import errno
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, cast
@@ -50,6 +51,10 @@ class UsageError(Exception):
 #: interrupted (Ctrl-C). Stopped at once (a second signal, the grace time): 128 + signal.
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_CHECKPOINT, EXIT_IO = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
+
+#: Seconds a rank waits before exiting on rank 0's failed write, so that rank 0, which
+#: prints the error, exits first and torchrun reports it as the root cause.
+PEER_EXIT_DELAY_S = 1.0
 
 #: Files of a run directory that a new run would replace.
 RUN_FILES = ("metrics.jsonl", "summary.json", "table.md", "comparison.png")
@@ -166,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     options = parser.parse_args(argv)
     context = distributed.setup(options.device, timeout_s=options.pg_timeout)
-    signals = StopSignals(options.stop_signals, grace=options.grace, is_main=context.is_main)
+    signals = StopSignals(options.stop_signals, grace=options.grace, is_main=context.is_main,
+                          hold_on_error=context.enabled)
     try:
         with signals:
             status = _run(options, parser, context, signals)
@@ -187,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         distributed.teardown(context, wait=False)
         if context.is_main:
             print(f"kaisa-train: error: {_io_message(failure)}", file=sys.stderr)
+        elif isinstance(failure, distributed.PeerWriteError):
+            time.sleep(PEER_EXIT_DELAY_S)  # rank 0 exits first: torchrun names it the cause
         return EXIT_IO
     except KeyboardInterrupt:
         distributed.teardown(context, wait=False)
@@ -353,7 +361,17 @@ def _run(
     lock = _prepare_run_dir(options, run_dir, context)
     try:
         states = _resume_states(specs, configs, data, run_dir, context)  # nothing written yet
-        metrics = report.MetricsFile(path=run_dir / "metrics.jsonl") if context.is_main else None
+        metrics, failure = None, None
+        if context.is_main:
+            try:
+                metrics = report.MetricsFile(path=run_dir / "metrics.jsonl")
+                for config in configs:
+                    metrics.write_header(config.label, settings(config))
+            except OSError as err:
+                failure = err
+                if metrics is not None:
+                    metrics.abort()
+        distributed.raise_together(failure, context, run_dir / "metrics.jsonl")
         try:
             status = _train_all(options, specs, configs, states, data, run_dir, context, metrics,
                                 signals)
@@ -380,9 +398,6 @@ def _train_all(
 ) -> int:
     """Trains every configuration in turn; writes the summary, table and plot (rank 0)."""
     metric = report.target_metric(options.task)
-    if metrics is not None:
-        for config in configs:
-            metrics.write_header(config.label, settings(config))
     results: list[RunResult] = []
     status = EXIT_OK
     show_bar = metrics is not None and not options.quiet and sys.stderr.isatty()

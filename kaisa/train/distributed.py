@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
+from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -61,9 +65,25 @@ def setup(device: str = "auto", *, timeout_s: float | None = None) -> DistContex
     if not dist.is_initialized():
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            "nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout
+            "nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout,
+            store=_attempt_store(rank, world_size, timeout),
         )
     return DistContext(rank=rank, world_size=world_size, device=target)
+
+
+def _attempt_store(rank: int, world_size: int,
+                   timeout: datetime.timedelta | None) -> Store:
+    """The store of torchrun, its keys prefixed with the restart count (``--max-restarts``).
+
+    A restarted group reuses the agent's store, in which the previous attempt's process
+    group left its keys (each rank's address): without a prefix per attempt, gloo's new
+    ranks read those and fail to connect ("Connection refused"), or wait forever.
+    """
+    store, _, _ = next(rendezvous(
+        "env://", rank=rank, world_size=world_size,
+        **({} if timeout is None else {"timeout": timeout})))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"kaisa/attempt_{attempt}/", store)
 
 
 def teardown(context: DistContext, *, wait: bool = True) -> None:
@@ -79,6 +99,27 @@ def all_reduce_sum(values: torch.Tensor, context: DistContext) -> torch.Tensor:
     if context.enabled:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+class PeerWriteError(OSError):
+    """Raised on the ranks that did not fail when another rank's write failed."""
+
+
+def raise_together(failure: OSError | None, context: DistContext, path: Path) -> None:
+    """Every rank learns whether a rank's write failed, and raises (one all-reduce).
+
+    Rank 0 alone writes the run's files; without this, a full disk stops it while the
+    other ranks wait for it in their next collective and die of the lost connection.
+
+    Raises:
+        OSError: ``failure`` on the rank that had it, one naming ``path`` on the others.
+    """
+    flag = all_reduce_sum(torch.tensor([float(failure is not None)], dtype=torch.float64),
+                          context)
+    if failure is not None:
+        raise failure
+    if flag[0] > 0:
+        raise PeerWriteError(errno.EIO, "another rank could not write it (see rank 0)", str(path))
 
 
 def all_gather_rows(values: torch.Tensor, context: DistContext) -> torch.Tensor:

@@ -170,15 +170,20 @@ class StopSignals:
     ends the process at once with status ``128 + signal``.
     """
 
-    def __init__(self, names: tuple[str, ...], *, grace: float, is_main: bool) -> None:
+    def __init__(self, names: tuple[str, ...], *, grace: float, is_main: bool,
+                 hold_on_error: bool = False) -> None:
         """Handlers for ``names``, installed on ``__enter__``.
 
         Args:
             names: Signal names (``SIGTERM``, ...).
             grace: Seconds from the first signal to :meth:`done` before stopping at once.
             is_main: Whether this process prints (rank 0).
+            hold_on_error: Leaving the block on an exception, keep the handlers and ignore
+                the signals (a torchrun worker: when another rank exits first with the same
+                error, torchrun sends this one SIGTERM, which must not replace its status).
         """
         self.names, self.grace, self.is_main = names, grace, is_main
+        self.hold_on_error = hold_on_error
         self.requested: str | None = None
         self._first = 0.0
         self._timer: threading.Timer | None = None
@@ -192,14 +197,17 @@ class StopSignals:
                 self._previous[number] = signal.signal(number, self._handle)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         """Cancels the grace timer; restores the previous handlers unless a stop came.
 
-        After a stop the process is ending: a launcher's repeat of the signal to a rank that
-        already stopped must not kill it before it exits with its status.
+        After a stop (or, with ``hold_on_error``, an error) the process is ending: a
+        launcher's repeat of the signal to a rank that already stopped must not kill it
+        before it exits with its status.
         """
         self.done()
-        if self.requested is None:
+        if kind is not None and self.hold_on_error:
+            self._stopped = True
+        if not self._stopped:
             for number, previous in self._previous.items():
                 signal.signal(number, previous)
         self._previous.clear()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +48,7 @@ from torch.distributed.fsdp import fully_shard
 
 import kaisa.checkpoint
 from kaisa.train import checkpoint
-from kaisa.train.distributed import DistContext
+from kaisa.train.distributed import DistContext, raise_together
 
 __all__ = ["TRAINER_FILE", "check_config", "check_options", "load", "read", "recover", "save",
            "shard"]
@@ -147,12 +148,9 @@ def save(path: Path, state: dict[str, Any], model: nn.Module, optimizer: Any,
             _swap_in(partial, path)
         except OSError as err:
             failure = err
-    flag = torch.tensor([float(failure is not None)], dtype=torch.float64)
-    dist.all_reduce(flag)  # every rank stops with the error, or none does
-    if flag[0] > 0:
-        if context.is_main:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise failure or OSError(errno.EIO, "rank 0 could not write the checkpoint", str(path))
+    if failure is not None and context.is_main:
+        shutil.rmtree(partial, ignore_errors=True)
+    raise_together(failure, context, path)  # every rank stops with the error, or none does
 
 
 def _swap_in(partial: Path, path: Path) -> None:
@@ -191,6 +189,12 @@ def _os_error(err: CheckpointException, partial: Path) -> OSError:
         if isinstance(failed, OSError):
             return OSError(failed.errno, failed.strerror or str(failed),
                            failed.filename or str(partial))
+    for failed, _ in err.failures.values():
+        # torch.save's zip writer reports a short write as "unexpected pos" instead
+        if isinstance(failed, RuntimeError) and "inline_container" in str(failed):
+            full = shutil.disk_usage(partial.parent).free < 1 << 20
+            code = errno.ENOSPC if full else errno.EIO
+            return OSError(code, os.strerror(code), str(partial))
     raise err
 
 

@@ -21,7 +21,13 @@ from tqdm import tqdm
 from kaisa.train import checkpoint, sharded
 from kaisa.train.configs import settings
 from kaisa.train.data import Dataset, augment_batch
-from kaisa.train.distributed import DistContext, all_gather_rows, all_reduce_sum, data_parallel
+from kaisa.train.distributed import (
+    DistContext,
+    all_gather_rows,
+    all_reduce_sum,
+    data_parallel,
+    raise_together,
+)
 from kaisa.train.evaluation import epoch_record, loss_fn
 from kaisa.train.files import deferred_interrupt
 from kaisa.train.models import build_model, gpt
@@ -269,8 +275,17 @@ class Trainer:
         record["wall"] = time.perf_counter() - self.started
         result.history.append(record)
         if emit:
-            self.on_record(record)
+            self.emit(record)
         return record
+
+    def emit(self, record: Record) -> None:
+        """Hand ``record`` to ``on_record``; a failed write (rank 0) stops every rank."""
+        failure: OSError | None = None
+        try:
+            self.on_record(record)
+        except OSError as err:
+            failure = err
+        raise_together(failure, self.context, self.checkpoint_path.parent / "metrics.jsonl")
 
     def _kfac_timings(self) -> dict[str, float]:
         """K-FAC's seconds per phase since the run began (those before a resume included)."""
@@ -415,7 +430,7 @@ class Trainer:
         record = self.record(running, partial=index + 1 < self.micro_batches, emit=False)
         with deferred_interrupt():  # checkpoint first, then its metrics line: never one alone
             self.save()
-            self.on_record(record)
+            self.emit(record)
         if not out_of_time and self.epoch < options.epochs and self._stop_agreed():
             raise self._preempted()
         return out_of_time

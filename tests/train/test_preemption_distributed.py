@@ -209,39 +209,77 @@ def _can_mount_tmpfs() -> str | None:
     return None if probe.returncode == 0 else (probe.stderr or probe.stdout).strip()
 
 
+def _in_namespace(tmp_path: Path, size: int, steps: list[tuple[str, list[str]]]) -> Path:
+    """Runs ``steps`` on a tmpfs of ``size`` bytes mounted at ``tmp_path/disk`` in a user and
+    mount namespace (no privileges needed): each is ``("run NAME", torchrun args)``,
+    ``("copy NAME", [])`` (the run folder to ``out/NAME``) or ``("mount OPTIONS", [])``.
+    Returns ``out``: ``NAME.err`` and ``NAME.rc`` of each run, the copies."""
+    if shutil.which("unshare") is None or (why := _can_mount_tmpfs()) is not None:
+        pytest.skip(f"needs a tmpfs mounted in a user namespace (unshare -Urm): {why}")
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    lines = [f"mount -t tmpfs -o size={size} tmpfs {disk} || exit 9"]
+    for what, args in steps:
+        verb, name = what.split(" ", 1)
+        if verb == "run":
+            command = " ".join(_command(disk, "r", args))
+            lines.append(f"{command} > {out}/{name}.out 2> {out}/{name}.err; "
+                         f"echo $? > {out}/{name}.rc")
+        elif verb == "copy":
+            lines.append(f"cp -a {disk}/r {out}/{name} || exit 9")
+        else:
+            lines.append(f"mount -o remount,{name} {disk} || exit 9")
+    subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                    "\n".join(lines)], env=_env(), check=True, timeout=560)
+    return out
+
+
+def _failed_with_one_line(out: Path, name: str, reason: str, file: str) -> None:
+    """Run ``name`` failed: rank 0 exited 4 first, with one line naming ``file``."""
+    err = (out / f"{name}.err").read_text()
+    assert (out / f"{name}.rc").read_text().strip() != "0", err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("kaisa-train: ")]
+    assert len(ours) == 1 and reason in ours[0] and file in ours[0], err[-3000:]
+    cause = err[err.index("Root Cause"):]  # torchrun's summary: the first rank to exit
+    assert "rank      : 0" in cause and "exitcode  : 4" in cause, err[-3000:]
+    assert "]: Traceback" not in err, err[-3000:]  # no rank's traceback
+
+
 @pytest.mark.timeout(600)
-def test_a_full_disk_during_a_dcp_save_is_one_line_and_keeps_the_checkpoint(
-    whole: Path, tmp_path: Path
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoint(
+    mode: str, whole: Path, tmp_path: Path
 ) -> None:
     """The run folder on a tmpfs that holds one checkpoint but not two (a save writes the
     new one beside the previous): the second save fails on every rank; after the tmpfs
     grows, ``--resume`` continues from the first and ends equal to the uninterrupted run."""
-    if shutil.which("unshare") is None or (why := _can_mount_tmpfs()) is not None:
-        pytest.skip(f"needs a tmpfs mounted in a user namespace (unshare -Urm): {why}")
-    size = sum(p.stat().st_size for p in (whole / "fsdp" / "checkpoint.dcp").iterdir())
-    disk, out = tmp_path / "disk", tmp_path / "out"
-    disk.mkdir()
-    out.mkdir()
-    first = " ".join(_command(disk, "full", [*FSDP, "--checkpoint-every", "1"]))
-    again = " ".join(_command(disk, "full", [*FSDP, "--resume"]))
-    script = f"""
-        mount -t tmpfs -o size={int(size * 1.5) + 65536} tmpfs {disk}
-        {first} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.rc
-        cp -a {disk}/full {out}/after
-        mount -o remount,size=256m {disk}
-        {again} > {out}/again.out 2> {out}/again.err; echo $? > {out}/again.rc
-        cp -a {disk}/full {out}/final
-    """
-    subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-ec", script],
-                   env=_env(), check=True, timeout=560)
-    err = (out / "first.err").read_text()
-    assert (out / "first.rc").read_text().strip() != "0", err[-3000:]
-    ours = [line for line in err.splitlines() if line.startswith("kaisa-train: ")]
-    assert len(ours) == 1, err[-3000:]
-    assert "No space left on device" in ours[0] and "checkpoint.dcp" in ours[0], ours
-    assert err.count("exitcode  : 4") == 2 or "exitcode  : 4" in err, err[-3000:]
-    assert (out / "after" / "checkpoint.dcp" / "trainer.pt").is_file()
+    fsdp, args = mode == "fsdp", FSDP if mode == "fsdp" else DDP
+    saved = whole / mode / ("checkpoint.dcp" if fsdp else "checkpoint.pt")
+    size = sum(p.stat().st_size for p in saved.iterdir()) if fsdp else saved.stat().st_size
+    out = _in_namespace(tmp_path, int(size * 1.5) + 65536, [
+        ("run first", [*args, "--checkpoint-every", "1"]), ("copy after", []),
+        ("mount size=256m", []), ("run again", [*args, "--resume"]), ("copy final", [])])
+    _failed_with_one_line(out, "first", "No space left on device", saved.name)
     assert not list((out / "after").glob("*.partial")), list((out / "after").iterdir())
-    assert _steps(out / "after", fsdp=True) == 1
+    assert _steps(out / "after", fsdp) == 1
+    assert (out / "again.rc").read_text().strip() == "0", (out / "again.err").read_text()[-3000:]
+    _assert_equals_whole(out / "final", whole / mode, fsdp)
+
+
+@pytest.mark.timeout(600)
+def test_a_read_only_run_folder_under_fsdp_is_one_line_and_touches_nothing(
+    whole: Path, tmp_path: Path
+) -> None:
+    out = _in_namespace(tmp_path, 256 << 20, [
+        ("run first", [*FSDP, "--epochs", "1"]), ("copy before", []), ("mount ro", []),
+        ("run refused", [*FSDP, "--resume"]), ("copy after", []), ("mount rw", []),
+        ("run again", [*FSDP, "--resume"]), ("copy final", [])])
+    assert (out / "first.rc").read_text().strip() == "0", (out / "first.err").read_text()[-3000:]
+    _failed_with_one_line(out, "refused", "Read-only file system", "metrics.jsonl")
+    for before in (out / "before").rglob("*"):
+        if before.is_file():
+            assert before.read_bytes() == (out / "after" / before.relative_to(
+                out / "before")).read_bytes(), before
     assert (out / "again.rc").read_text().strip() == "0", (out / "again.err").read_text()[-3000:]
     _assert_equals_whole(out / "final", whole / "fsdp", fsdp=True)
