@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import shutil
 import sys
 import time
@@ -177,25 +178,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         with signals:
             status = _run(options, parser, context, signals)
     except Preempted as stop:
-        distributed.teardown(context, wait=False)
         if context.is_main:
             print(f"kaisa-train: {stop}", file=sys.stderr, flush=True)
-        return EXIT_STOPPED
+        signals.exiting(EXIT_STOPPED)
+        return _leave(EXIT_STOPPED, context)
     except (UsageError, DatasetError) as failure:
         distributed.teardown(context, wait=False)
         _error(str(failure), context.is_main)
     except checkpoint.CheckpointError as failure:
-        distributed.teardown(context, wait=False)
         if context.is_main:
             print(f"kaisa-train: error: {failure}", file=sys.stderr)
-        return EXIT_CHECKPOINT
+        return _leave(EXIT_CHECKPOINT, context)
     except OSError as failure:
-        distributed.teardown(context, wait=False)
         if context.is_main:
-            print(f"kaisa-train: error: {_io_message(failure)}", file=sys.stderr)
-        elif isinstance(failure, distributed.PeerWriteError):
+            print(f"kaisa-train: error: {_io_message(failure)}", file=sys.stderr, flush=True)
+        signals.exiting(EXIT_IO)
+        if isinstance(failure, distributed.PeerWriteError):
             time.sleep(PEER_EXIT_DELAY_S)  # rank 0 exits first: torchrun names it the cause
-        return EXIT_IO
+        return _leave(EXIT_IO, context)
     except KeyboardInterrupt:
         distributed.teardown(context, wait=False)
         if context.is_main:
@@ -211,6 +211,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     distributed.teardown(context)
     return status
+
+
+def _leave(status: int, context: distributed.DistContext) -> int:
+    """Ends a stopped or failed run with ``status``; a torchrun worker exits right here.
+
+    Its error is reported and its files are whole. Tearing the process group down could
+    wait on a rank that is exiting too (seen: 30 s, until torchrun killed the rank), and
+    the operating system closes its connections anyway.
+    """
+    if not context.enabled:
+        return status
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _io_message(failure: OSError) -> str:

@@ -25,17 +25,13 @@ examples:
   kaisa-train --compare sgd@lr=0.1,sgd+kfac@lr=0.3@damping=0.01 --time-budget 10
   torchrun --standalone --nproc_per_node=2 -m kaisa.train --kfac
   torchrun --standalone --nproc_per_node=2 -m kaisa.train --task lm --fsdp --kfac
+  torchrun --standalone --nproc_per_node=2 --max-restarts 3 -m kaisa.train --kfac \
+      --checkpoint-every 30m --resume auto       # survives preemption and lost ranks
   kaisa-train --dataset cifar10 --data-dir ~/data --task classify --model resnet20 --kfac
 
 Options shown as 'tuned' default to values tuned per task and optimiser on
 digits (see docs/training.md); generic values are used for other datasets.
 """
-
-
-def _resume_mode(text: str) -> str:
-    if text != "auto":
-        raise argparse.ArgumentTypeError(f"expected 'auto' or nothing, got {text!r}")
-    return text
 
 
 def _add_kfac(parser: argparse.ArgumentParser) -> None:
@@ -380,7 +376,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_kfac(parser)
     add_lm_arguments(parser, int_from(1))
-    add_preemption_arguments(parser)
     group = parser.add_argument_group("comparison and output")
     add = group.add_argument
     add(
@@ -403,19 +398,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--name", default=None, help="run name (default: DATASET-MODEL-TASK)")
     add("--run-dir", default="runs", help="parent directory of runs (default: %(default)s)")
-    add(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=False,
-        type=_resume_mode,
-        metavar="auto",
-        help="continue each configuration from runs/NAME/checkpoint*.pt, mid-epoch if it was "
-        "written there (checked first: a corrupt file or one from another model or "
-        "configuration exits with status 3 and touches nothing); a configuration without "
-        "a checkpoint starts from scratch, with a note (none with 'auto', for restart "
-        "loops such as torchrun --max-restarts)",
-    )
     add(
         "--overwrite",
         action="store_true",
@@ -458,4 +440,5 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a summary line every N epochs (default: %(default)s)",
     )
     add("--quiet", action="store_true", help="no progress bar and no per-epoch lines")
+    add_preemption_arguments(parser)
     return parser

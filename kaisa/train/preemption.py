@@ -128,6 +128,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The checkpoint and preemption flags of ``kaisa-train``."""
     group = parser.add_argument_group("checkpoints and preemption")
     add = group.add_argument
+    add(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_resume_mode,
+        metavar="auto",
+        help="continue each configuration from runs/NAME/checkpoint*.pt, mid-epoch if it was "
+        "written there (checked first: a corrupt file or one from another model or "
+        "configuration exits with status 3 and touches nothing); a configuration without "
+        "a checkpoint starts from scratch, with a note (none with 'auto', for restart "
+        "loops such as torchrun --max-restarts)",
+    )
     add("--checkpoint-every", type=parse_every, default=Every(), metavar="N|TIME",
         help="also checkpoint every N optimizer steps, or every TIME (30m, 90s, 2h) at the "
              "next step boundary; --resume continues mid-epoch bit for bit (default: at "
@@ -143,6 +156,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--grace", type=_positive_seconds, default=25.0, metavar="SECONDS",
         help="after a stop signal, stop at once (status 128+signal, the previous checkpoint "
              "kept) if the checkpoint is not written within SECONDS (default: %(default)s)")
+
+
+def _resume_mode(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"expected 'auto' or nothing, got {text!r}")
+    return text
 
 
 def _at_least_one(text: str) -> int:
@@ -188,6 +207,7 @@ class StopSignals:
         self._first = 0.0
         self._timer: threading.Timer | None = None
         self._stopped = False
+        self._exit_status: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -213,6 +233,8 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
+        if self._exit_status is not None:  # told to go while on its way out: go now
+            os._exit(self._exit_status)
         if self._stopped:  # the checkpoint is written: the process is on its way out
             return
         name = signal.Signals(number).name
@@ -233,6 +255,14 @@ class StopSignals:
             print(f"kaisa-train: stopped at once on {reason}; the last complete checkpoint "
                   "is kept (continue with --resume)", file=sys.stderr, flush=True)
         os._exit(128 + number)
+
+    def exiting(self, status: int) -> None:
+        """The process is about to exit with ``status``: a stop signal now ends it at once.
+
+        With that status: a launcher that saw another rank exit first sends one, and the
+        error is already reported.
+        """
+        self._exit_status = status
 
     def done(self) -> None:
         """The checkpoint at the stop is written (or training ended): no grace stop."""

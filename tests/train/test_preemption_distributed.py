@@ -144,6 +144,7 @@ def test_sigterm_at_five_random_moments_under_torchrun(
             _workers(agent)[int(target[-1])].send_signal(signal.SIGTERM)
         sent = time.monotonic()
         _, err = agent.communicate(timeout=120)
+        (tmp_path / f"attempt{attempt}.stderr").write_text(err)
         assert time.monotonic() - sent < 25.0, err[-3000:]
         assert agent.returncode != 0, err[-3000:]
         ours = [line for line in err.splitlines() if line.startswith("kaisa-train: ")]
