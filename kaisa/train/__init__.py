@@ -29,7 +29,11 @@ def missing_requirements() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``kaisa-train``: one clear line when the ``train`` extra is missing."""
+    """Entry point of ``kaisa-train``: one clear line when the ``train`` extra is missing.
+
+    Without ``argv`` (the command itself: ``kaisa-train``, ``python -m kaisa.train``), a
+    torchrun worker that stopped or failed exits at once after reporting it.
+    """
     missing = missing_requirements()
     if missing:
         print(
@@ -40,4 +44,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from kaisa.train.cli import main as cli_main
 
-    return cli_main(argv)
+    return cli_main(argv, exit_fast=argv is None)

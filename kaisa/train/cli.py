@@ -161,8 +161,12 @@ def _error(message: str, is_main: bool) -> NoReturn:
     raise SystemExit(EXIT_USAGE)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, exit_fast: bool = False) -> int:
     """Run ``kaisa-train``; returns the exit status.
+
+    With ``exit_fast`` (the process's own command) a torchrun worker that stopped on a
+    signal or failed to read or write the run's files exits right after reporting it
+    (:func:`_leave`).
 
     0 ok, 1 a configuration diverged, 2 usage error, 3 a checkpoint cannot be resumed
     from, 4 the run's files cannot be written, 75 stopped by a stop signal (a checkpoint
@@ -181,21 +185,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if context.is_main:
             print(f"kaisa-train: {stop}", file=sys.stderr, flush=True)
         signals.exiting(EXIT_STOPPED)
-        return _leave(EXIT_STOPPED, context)
+        return _leave(EXIT_STOPPED, context, exit_fast)
     except (UsageError, DatasetError) as failure:
         distributed.teardown(context, wait=False)
         _error(str(failure), context.is_main)
     except checkpoint.CheckpointError as failure:
         if context.is_main:
             print(f"kaisa-train: error: {failure}", file=sys.stderr)
-        return _leave(EXIT_CHECKPOINT, context)
+        return _leave(EXIT_CHECKPOINT, context, exit_fast)
     except OSError as failure:
         if context.is_main:
             print(f"kaisa-train: error: {_io_message(failure)}", file=sys.stderr, flush=True)
         signals.exiting(EXIT_IO)
         if isinstance(failure, distributed.PeerWriteError):
             time.sleep(PEER_EXIT_DELAY_S)  # rank 0 exits first: torchrun names it the cause
-        return _leave(EXIT_IO, context)
+        return _leave(EXIT_IO, context, exit_fast)
     except KeyboardInterrupt:
         distributed.teardown(context, wait=False)
         if context.is_main:
@@ -213,14 +217,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-def _leave(status: int, context: distributed.DistContext) -> int:
-    """Ends a stopped or failed run with ``status``; a torchrun worker exits right here.
+def _leave(status: int, context: distributed.DistContext, exit_fast: bool) -> int:
+    """Ends a stopped or failed run with ``status`` (``exit_fast``: a worker exits here).
 
-    Its error is reported and its files are whole. Tearing the process group down could
+    With ``exit_fast``, a torchrun worker exits right here: its error is reported and its
+    files are whole. Tearing the process group down could
     wait on a rank that is exiting too (seen: 30 s, until torchrun killed the rank), and
-    the operating system closes its connections anyway.
+    the operating system closes its connections anyway. Called in a process that goes on
+    (``exit_fast`` false: tests, a user's own code), it tears the group down and returns.
     """
-    if not context.enabled:
+    if not (exit_fast and context.enabled):
+        distributed.teardown(context, wait=False)
         return status
     sys.stdout.flush()
     sys.stderr.flush()

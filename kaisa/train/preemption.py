@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from kaisa.train.argtypes import finite, int_from
+
 __all__ = [
     "EXIT_STOPPED",
     "Every",
@@ -145,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also checkpoint every N optimizer steps, or every TIME (30m, 90s, 2h) at the "
              "next step boundary; --resume continues mid-epoch bit for bit (default: at "
              "each epoch's end only)")
-    add("--keep", type=_at_least_one, default=1, metavar="K",
+    add("--keep", type=int_from(1), default=1, metavar="K",
         help="keep the last K checkpoints (K > 1: also as checkpoint.stepN.pt, or .dcp "
              "under --fsdp); the newest is always checkpoint.pt (default: %(default)s)")
     add("--stop-signals", type=parse_signals, default=parse_signals(DEFAULT_SIGNALS),
@@ -153,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="signals that stop the run at the next step boundary with a checkpoint there "
              f"and exit status {EXIT_STOPPED}; 'none' leaves their default action (default: "
              f"{DEFAULT_SIGNALS})")
-    add("--grace", type=_positive_seconds, default=25.0, metavar="SECONDS",
+    add("--grace", type=finite(positive=True), default=25.0, metavar="SECONDS",
         help="after a stop signal, stop at once (status 128+signal, the previous checkpoint "
              "kept) if the checkpoint is not written within SECONDS (default: %(default)s)")
 
@@ -162,22 +164,6 @@ def _resume_mode(text: str) -> str:
     if text != "auto":
         raise argparse.ArgumentTypeError(f"expected 'auto' or nothing, got {text!r}")
     return text
-
-
-def _at_least_one(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
 
 
 class StopSignals:

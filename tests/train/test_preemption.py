@@ -117,6 +117,16 @@ def test_resume_from_inside_an_epoch_is_bit_exact_for_every_product(tmp_path: Pa
         assert records(split) == records(done)
 
 
+def test_checkpoint_every_time_writes_inside_epochs(tmp_path: Path) -> None:
+    """``--checkpoint-every 0.2s`` on epochs of ~0.5 s: checkpoints inside epochs too (each
+    resumable mid-epoch), besides the epochs' own."""
+    assert _run(tmp_path, "timed", "--kfac", "--epochs", "3", "--batch-size", "32",
+                "--checkpoint-every", "0.2s", "--keep", "1000") == 0
+    kept = sorted((tmp_path / "timed").glob("checkpoint.step*.pt"))
+    inside = [p for p in kept if torch.load(p, weights_only=True)["position"] is not None]
+    assert len(kept) > 3 and inside, [p.name for p in kept]
+
+
 # --- stop signals ------------------------------------------------------------------------------
 
 

@@ -4,11 +4,12 @@
   rank alone (the other learns of it in the next step's all-reduce): every time exit 75
   within the grace time, one line from rank 0, a checkpoint at the step both ranks agreed
   on; the chain of resumes equals an uninterrupted run bit for bit.
-* ``--fsdp``: SIGKILL of one rank at 10 random file operations inside DCP saves (every
-  step saves), under ``torchrun --max-restarts 10 --resume auto``: each restart resumes from
-  the last whole checkpoint, and the run ends equal to an uninterrupted one.
-* ``--fsdp``: a full disk (a small tmpfs) during a save: one line, exit 4 on every rank, the
-  previous checkpoint whole; after freeing space ``--resume`` ends bit for bit.
+* SIGKILL of one rank at 10 random file operations inside saves (every step saves; DCP
+  under ``--fsdp``), under ``torchrun --max-restarts 10 --resume auto``: each restart
+  resumes from the last whole checkpoint, and the run ends equal to an uninterrupted one.
+* A full disk (a small tmpfs) during a save, and a read-only run folder: one line, exit 4
+  on every rank (rank 0 first), the previous checkpoint whole; after freeing space (or
+  with the folder writable again) ``--resume`` ends bit for bit.
 * ``torchrun --max-restarts 1 --resume auto`` with one rank killed mid-run (DDP).
 """
 
@@ -161,20 +162,24 @@ def test_sigterm_at_five_random_moments_under_torchrun(
 
 
 @pytest.mark.timeout(900)
-def test_sigkill_of_a_rank_at_ten_points_of_dcp_saves_resumes_bit_exact(
-    whole: Path, tmp_path: Path
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_sigkill_of_a_rank_at_ten_points_of_saves_resumes_bit_exact(
+    mode: str, whole: Path, tmp_path: Path
 ) -> None:
-    """Every step saves; 10 launches each lose a rank at a random file operation of a save
-    (rank 0: ~12 per save, from clearing the partial directory to removing the old
-    checkpoint after the swap; rank 1: its shard files). torchrun restarts the group, which
-    resumes from the last whole checkpoint."""
+    """Every step saves; 10 launches each lose a rank at a random file operation of a save.
+    ``--fsdp`` (DCP): rank 0 has ~12 per save, from clearing the partial directory to
+    removing the old checkpoint after the swap, rank 1 its shard files. DDP: rank 0 writes
+    ``checkpoint.pt.partial`` and renames it. torchrun restarts the group, which resumes
+    from the last whole checkpoint."""
+    fsdp = mode == "fsdp"
     rng = random.Random(2026)
-    kills = [[rank, rng.randint(1, 24 if rank == 0 else 4)]
-             for rank in (rng.randint(0, 1) for _ in range(10))]
+    ranks = [rng.randint(0, 1) if fsdp else 0 for _ in range(10)]
+    kills = [[rank, rng.randint(1, (24 if rank == 0 else 4) if fsdp else 4)] for rank in ranks]
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"kills": kills}))
-    agent = _launch(tmp_path, "killed", [*FSDP, "--checkpoint-every", "1", "--resume", "auto"],
-                    restarts=len(kills), KAISA_TEST_KILL_PLAN=str(plan),
+    plan.write_text(json.dumps({"kills": kills, "match": ".dcp" if fsdp else "checkpoint.pt"}))
+    args = [*(FSDP if fsdp else DDP), "--checkpoint-every", "1", "--resume", "auto"]
+    agent = _launch(tmp_path, "killed", args, restarts=len(kills),
+                    KAISA_TEST_KILL_PLAN=str(plan),
                     PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT)]))
     _, err = agent.communicate(timeout=840)
     (tmp_path / "torchrun.stderr").write_text(err)
@@ -182,7 +187,7 @@ def test_sigkill_of_a_rank_at_ten_points_of_dcp_saves_resumes_bit_exact(
     assert [line.split() for line in done] == [[str(r), str(op)] for r, op in kills], done
     assert agent.returncode == 0, err[-4000:]
     assert not list((tmp_path / "killed").glob("*.partial"))
-    _assert_equals_whole(tmp_path / "killed", whole / "fsdp", fsdp=True)
+    _assert_equals_whole(tmp_path / "killed", whole / mode, fsdp)
 
 
 @pytest.mark.timeout(600)
@@ -269,13 +274,15 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoint(
 
 
 @pytest.mark.timeout(600)
-def test_a_read_only_run_folder_under_fsdp_is_one_line_and_touches_nothing(
-    whole: Path, tmp_path: Path
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_read_only_run_folder_is_one_line_and_touches_nothing(
+    mode: str, whole: Path, tmp_path: Path
 ) -> None:
+    fsdp, args = mode == "fsdp", FSDP if mode == "fsdp" else DDP
     out = _in_namespace(tmp_path, 256 << 20, [
-        ("run first", [*FSDP, "--epochs", "1"]), ("copy before", []), ("mount ro", []),
-        ("run refused", [*FSDP, "--resume"]), ("copy after", []), ("mount rw", []),
-        ("run again", [*FSDP, "--resume"]), ("copy final", [])])
+        ("run first", [*args, "--epochs", "1"]), ("copy before", []), ("mount ro", []),
+        ("run refused", [*args, "--resume"]), ("copy after", []), ("mount rw", []),
+        ("run again", [*args, "--resume"]), ("copy final", [])])
     assert (out / "first.rc").read_text().strip() == "0", (out / "first.err").read_text()[-3000:]
     _failed_with_one_line(out, "refused", "Read-only file system", "metrics.jsonl")
     for before in (out / "before").rglob("*"):
@@ -283,4 +290,4 @@ def test_a_read_only_run_folder_under_fsdp_is_one_line_and_touches_nothing(
             assert before.read_bytes() == (out / "after" / before.relative_to(
                 out / "before")).read_bytes(), before
     assert (out / "again.rc").read_text().strip() == "0", (out / "again.err").read_text()[-3000:]
-    _assert_equals_whole(out / "final", whole / "fsdp", fsdp=True)
+    _assert_equals_whole(out / "final", whole / mode, fsdp)

@@ -4,8 +4,9 @@ Loaded by Python at start-up when this folder is on ``PYTHONPATH`` (the preempti
 put it there) and ``KAISA_TEST_KILL_PLAN`` names a JSON file ``{"kills": [[rank, op],
 ...]}``. Launch ``k`` of a run (counted in ``PLAN.done``, one line per kill) kills rank
 ``kills[k][0]`` at its ``kills[k][1]``-th writing file operation on a path containing
-``.dcp`` (open for writing, create, rename, replace, mkdir, rmtree): anywhere inside a save,
-from clearing the previous partial directory to removing the old checkpoint after the swap.
+``match`` (default ``.dcp``; open for writing, create, rename, replace, mkdir, rmtree):
+anywhere inside a save, from clearing the previous partial directory to removing the old
+checkpoint after the swap.
 With ``{"count": true}`` it only counts, and appends ``rank count`` to ``PLAN.done`` at exit.
 """
 
@@ -34,6 +35,7 @@ if _PLAN and os.environ.get("RANK") is not None:
     _kills = _plan.get("kills", [])
     _target = _kills[_done][1] if _done < len(_kills) and _kills[_done][0] == _rank else 0
     _counting = bool(_plan.get("count"))
+    _match = str(_plan.get("match", ".dcp"))
     _seen = 0
 
     _os_open = os.open
@@ -45,7 +47,7 @@ if _PLAN and os.environ.get("RANK") is not None:
 
     def _hit(path: Any) -> None:
         global _seen
-        if not isinstance(path, str | bytes | os.PathLike) or ".dcp" not in os.fsdecode(path):
+        if not isinstance(path, str | bytes | os.PathLike) or _match not in os.fsdecode(path):
             return
         _seen += 1
         if _target and _seen == _target:
