@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None, *, exit_fast: bool = False) -> int:
     options = parser.parse_args(argv)
     context = distributed.setup(options.device, timeout_s=options.pg_timeout)
     signals = StopSignals(options.stop_signals, grace=options.grace, is_main=context.is_main,
-                          hold_on_error=context.enabled)
+                          hold_on_error=exit_fast and context.enabled)
     try:
         with signals:
             status = _run(options, parser, context, signals)
@@ -221,10 +221,10 @@ def _leave(status: int, context: distributed.DistContext, exit_fast: bool) -> in
     """Ends a stopped or failed run with ``status`` (``exit_fast``: a worker exits here).
 
     With ``exit_fast``, a torchrun worker exits right here: its error is reported and its
-    files are whole. Tearing the process group down could
-    wait on a rank that is exiting too (seen: 30 s, until torchrun killed the rank), and
-    the operating system closes its connections anyway. Called in a process that goes on
-    (``exit_fast`` false: tests, a user's own code), it tears the group down and returns.
+    files are whole. Tearing the process group down could wait on a rank that is exiting
+    too (seen: 30 s, until torchrun killed the rank), and the operating system closes its
+    connections anyway. Called in a process that goes on (``exit_fast`` false: tests, a
+    user's own code), it tears the group down and returns.
     """
     if not (exit_fast and context.enabled):
         distributed.teardown(context, wait=False)
