@@ -440,6 +440,9 @@ def _train_all(
         if config.resume is True and state is None and context.is_main:
             print(f"kaisa-train: no {run_dir / name} to resume; starting from scratch",
                   file=sys.stderr)
+        elif state is not None and context.is_main and not options.quiet:
+            print(f"kaisa-train: resuming from {run_dir / name} at step {state['steps']}",
+                  flush=True)
         try:
             result = train(
                 config, data, context, checkpoint_path=run_dir / name, on_record=on_record,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -55,10 +56,12 @@ FSDP = ["--task", "lm", "--d-model", "32", "--context", "16", "--steps-per-epoch
 COMMON = ["--quiet", "--no-plot"]
 
 
-def _command(run_dir: Path, name: str, args: list[str], restarts: int = 0) -> list[str]:
+def _command(run_dir: Path, name: str, args: list[str], restarts: int = 0,
+             quiet: bool = True) -> list[str]:
     return [str(Path(sys.executable).with_name("torchrun")), "--standalone",
             "--nproc_per_node=2", f"--max-restarts={restarts}", "-m", "kaisa.train",
-            "--run-dir", str(run_dir), "--name", name, *COMMON, *args]
+            "--run-dir", str(run_dir), "--name", name, *(COMMON if quiet else COMMON[1:]),
+            *args]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -67,10 +70,11 @@ def _env(**extra: str) -> dict[str, str]:
             **extra}
 
 
-def _launch(run_dir: Path, name: str, args: list[str], restarts: int = 0,
+def _launch(run_dir: Path, name: str, args: list[str], restarts: int = 0, quiet: bool = True,
             **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(_command(run_dir, name, args, restarts), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(**env))
+    return subprocess.Popen(_command(run_dir, name, args, restarts, quiet),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(**env))
 
 
 def _workers(agent: subprocess.Popen[str]) -> dict[int, psutil.Process]:
@@ -179,15 +183,20 @@ def test_sigkill_of_a_rank_at_ten_points_of_saves_resumes_bit_exact(
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"kills": kills, "match": ".dcp" if fsdp else "checkpoint.pt"}))
     args = [*(FSDP if fsdp else DDP), "--checkpoint-every", "1", "--resume", "auto"]
-    agent = _launch(tmp_path, "killed", args, restarts=len(kills),
+    agent = _launch(tmp_path, "killed", args, restarts=len(kills), quiet=False,
                     KAISA_TEST_KILL_PLAN=str(plan),
                     PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT)]))
-    _, err = agent.communicate(timeout=840)
+    out, err = agent.communicate(timeout=840)
     (tmp_path / "torchrun.stderr").write_text(err)
     done = plan.with_name(plan.name + ".done").read_text().split("\n")[:-1]
     assert [line.split() for line in done] == [[str(r), str(op)] for r, op in kills], done
     assert agent.returncode == 0, err[-4000:]
     assert not list((tmp_path / "killed").glob("*.partial"))
+    # Every restart resumed (the first kill may come before any checkpoint), each from a
+    # whole checkpoint no older than the one before it.
+    resumed = [int(m) for m in re.findall(r"kaisa-train: resuming from \S+ at step (\d+)", out)]
+    assert len(kills) - 2 <= len(resumed) <= len(kills), (resumed, out[-4000:])
+    assert resumed == sorted(resumed) and resumed[0] >= 1, resumed
     _assert_equals_whole(tmp_path / "killed", whole / mode, fsdp)
 
 
