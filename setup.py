@@ -160,7 +160,7 @@ def _extensions() -> tuple[list[object], dict[str, object]]:
 
     sources = _rel("csrc/kaisa.cpp") + _rel("csrc/cpu/*.cpp")
     cuda_sources = _rel("csrc/cuda/*.cu")
-    cxx_flags = ["-O2", "-g0", "-fopenmp"]
+    cxx_flags = ["-O2", "-g0", "-fopenmp", "-ffp-contract=off"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     define_macros = [("KAISA_PYTHON_MODULE", None)]
     with_cuda = bool(torch.version.cuda) and CUDA_HOME is not None and bool(cuda_sources)

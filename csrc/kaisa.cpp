@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #ifdef KAISA_PYTHON_MODULE
@@ -120,6 +121,26 @@ void check_batched_eigh_args(const at::Tensor& a) {
               "a must be float32 or float64, got ", a.scalar_type());
 }
 
+void check_fold_args(const at::Tensor& running, const at::Tensor& batch, const at::Tensor& stamp,
+                     const at::Tensor& skipped) {
+  const char* op = "kaisa fold: ";
+  TORCH_CHECK(running.scalar_type() == at::kFloat || running.scalar_type() == at::kDouble, op,
+              "running must be float32 or float64, got ", running.scalar_type());
+  TORCH_CHECK(batch.scalar_type() == running.scalar_type(), op,
+              "batch must have running's dtype ", running.scalar_type(), ", got ",
+              batch.scalar_type());
+  TORCH_CHECK(batch.sizes() == running.sizes(), op, "batch must have running's shape ",
+              running.sizes(), ", got ", batch.sizes());
+  TORCH_CHECK(batch.device() == running.device(), op, "batch must be on running's device ",
+              running.device(), ", got ", batch.device());
+  for (const auto& [t, name] : {std::pair{&stamp, "stamp"}, std::pair{&skipped, "skipped"}}) {
+    TORCH_CHECK(t->dim() == 0 && t->scalar_type() == at::kLong, op, name,
+                " must be a 0-d int64 tensor, got ", t->scalar_type(), " of shape ", t->sizes());
+    TORCH_CHECK(t->device() == running.device(), op, name, " must be on running's device ",
+                running.device(), ", got ", t->device());
+  }
+}
+
 }  // namespace kaisa
 
 TORCH_LIBRARY(kaisa, m) {
@@ -132,6 +153,9 @@ TORCH_LIBRARY(kaisa, m) {
       "Tensor? dgda, float damping) -> Tensor");
   m.def("batched_eigh(Tensor a) -> (Tensor, Tensor)");
   m.def("batched_eigh_status(Tensor a) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fold(Tensor running, Tensor batch, Tensor stamp, Tensor skipped, int round, "
+      "float decay, float weight) -> (Tensor, Tensor, Tensor)");
 }
 
 #ifdef KAISA_PYTHON_MODULE

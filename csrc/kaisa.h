@@ -60,6 +60,11 @@ void check_eigen_precondition_args(const at::Tensor& grad, const at::Tensor& qa,
 // batched_eigh and batched_eigh_status: a is (n, n) or (B, n, n), float32 or float64.
 void check_batched_eigh_args(const at::Tensor& a);
 
+// fold: running and batch of one shape, float32 or float64, one dtype and device;
+// stamp and skipped 0-d int64 on that device.
+void check_fold_args(const at::Tensor& running, const at::Tensor& batch, const at::Tensor& stamp,
+                     const at::Tensor& skipped);
+
 // Helper for the per-backend device check: every defined tensor must be on a
 // device of `type` (e.g. CPU kernels given a CUDA tensor).
 void check_device_type(const at::Tensor& t, c10::DeviceType type, const char* op,
@@ -81,6 +86,12 @@ at::Tensor eigen_precondition(const at::Tensor& grad, const at::Tensor& qa, cons
 std::tuple<at::Tensor, at::Tensor> batched_eigh(const at::Tensor& a);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batched_eigh_status(const at::Tensor& a);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fold(const at::Tensor& running,
+                                                     const at::Tensor& batch,
+                                                     const at::Tensor& stamp,
+                                                     const at::Tensor& skipped, int64_t round,
+                                                     double decay, double weight);
 
 }  // namespace cpu
 }  // namespace kaisa

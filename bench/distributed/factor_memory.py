@@ -6,9 +6,9 @@ shapes (1000 classes; the factors' sizes do not depend on the image, so the inpu
 each), at every valid ``grad_worker_fraction`` of each world size. The first step
 decomposes; the second is a factor step, measured
 
-* ``peak``: after its backward pass, before ``step()``: the running factors, the
-  decompositions and the step's batch factors (held by the blocks, or by the pending
-  factor collectives);
+* ``peak``: after its backward pass, before ``step()``: the running factors (the step's
+  statistics already folded in), the decompositions and, on several ranks, the running
+  factors' copies in the pending allreduce buckets;
 * ``between``: after its ``step()``: what stays from one step to the next.
 
 "Held" is every tensor storage reachable from the preconditioner object (the Python object
@@ -18,7 +18,7 @@ communicator's buckets and the pending collectives' buffers. The storages of the
 running factors are ``factors``, of their decomposition entries ``decompositions``;
 ``batch`` is the rest. The model is
 ``pre.memory_estimates()`` (``kaisa.distributed.memory``) for the run's fraction and rank:
-``factors``, ``decompositions`` and ``buffers`` (the batch factors, and a receive buffer
+``factors``, ``decompositions`` and ``buffers`` (the bucket copies, and a receive buffer
 for each gradient the rank receives by broadcast, which exists during ``step()`` only).
 
     python bench/distributed/factor_memory.py             # bench/results/factor_memory.json

@@ -54,7 +54,7 @@ from kaisa.train.models.gpt import gpt
 #: batches).
 KAISA_LAUNCHES = {"kaisa.eigen_precondition": 5, "kaisa.covariance": 1,
                   "kaisa.conv_covariance": 1, "kaisa.batched_eigh": 1,
-                  "kaisa.batched_eigh_status": 1}
+                  "kaisa.batched_eigh_status": 1, "kaisa.fold": 3}
 PRODUCTS = ("sgd", "adamw", "muon", "kfac_pre", "ekfac", "kfac")
 
 

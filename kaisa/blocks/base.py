@@ -243,11 +243,30 @@ class CurvatureBlock:
         """What an observation records: the batch A factor, or ``x`` for later.
 
         ``site`` is the index in :meth:`call_sites` of the site ``x`` was observed at.
+        ``x`` is kept for later when factors are computed in ``step()`` (``in_hook``
+        false), and while the core folds the block's statistics where they are computed
+        (:attr:`~kaisa.blocks.state.BatchStatistics.folding`): then its A factor is
+        computed with the micro-batch's fold, in the backward pass, so the batch factor
+        exists only there (``x`` is the tensor autograd keeps for the weight's gradient).
         """
-        if in_hook:
+        if in_hook and not self.stats.folding:
             self.stats.add_a(self.compute_a_batch(x))
         else:
             self.stats.saved_inputs.append((x, site))
+
+    def compute_saved(self) -> None:
+        """Turns the kept inputs and output gradients into batch factors (clears them)."""
+        stats = self.stats
+        folding, stats.folding = stats.folding, False
+        try:
+            for x, site in stats.saved_inputs:
+                self.record_input(x, in_hook=True, site=site)
+            for d, divisor, site in stats.saved_grads:
+                self.record_output_grad(d, divisor, in_hook=True, inputs=None, site=site)
+        finally:
+            stats.folding = folding
+        stats.saved_inputs.clear()
+        stats.saved_grads.clear()
 
     def record_output_grad(
         self, d: torch.Tensor, divisor: float | torch.Tensor, *, in_hook: bool,

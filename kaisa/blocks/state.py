@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kaisa import ops
 from kaisa.utils.enums import KFACApprox, Side
 from kaisa.utils.finite import all_finite, finite_each
 
 __all__ = [
-    "LARGE_FACTOR_DIM", "BatchStatistics", "BlockOptions", "RunningFactors", "tensor_bytes",
+    "LARGE_FACTOR_DIM", "BatchStatistics", "BlockOptions", "RunningFactors", "fold_step",
+    "tensor_bytes",
 ]
 
 #: Dense factors larger than this (per side) are reported at registration: their
@@ -45,6 +47,14 @@ class BatchStatistics:
     #: Row subsets drawn by forward calls whose backward has not used them yet, per call
     #: site, last drawn last (``None``: the call used every row). ``factor_rows`` only.
     row_draws: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    #: Whether the core folds this block's micro-batch statistics into its running factors
+    #: where they are computed (``docs/conventions.md``, "Folding statistics where they
+    #: are computed"); then an input is kept in :attr:`saved_inputs` until its micro-batch
+    #: is folded, and its A factor computed there.
+    folding: bool = False
+    #: The sides folded into the running factors in this step (their running factors, not
+    #: batch factors, are averaged over ranks).
+    folded: set[Side] = field(default_factory=set)
 
     def add_a(self, a_batch: torch.Tensor) -> None:
         """Adds one micro-batch A factor."""
@@ -80,6 +90,7 @@ class BatchStatistics:
         self.saved_inputs.clear()
         self.saved_grads.clear()
         self.row_draws.clear()
+        self.folded.clear()
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,10 @@ class RunningFactors:
     skipped_g: torch.Tensor | None = None
     #: Sides kept as diagonals (start from ones, not the identity).
     diagonal_sides: frozenset[Side] = frozenset()
+    #: 0-d counts of the fold round in which each side was last scaled by ``rho``
+    #: (:meth:`fold_micro`; not part of a checkpoint).
+    stamp_a: torch.Tensor | None = None
+    stamp_g: torch.Tensor | None = None
 
     def fold(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, rho: float,
              *, zero_start: bool = False) -> None:
@@ -131,6 +146,35 @@ class RunningFactors:
         if g_batch is not None:
             self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g,
                                            Side.G in diagonal, zero_start)
+
+    def fold_micro(self, side: Side, batch: torch.Tensor, *, rho: float, weight: float,
+                   round_: int, zero_start: bool = False) -> None:
+        """Folds one micro-batch factor: ``F <- s F + weight * F_mb``, or skips it.
+
+        ``s`` is ``rho`` at the first finite micro-batch factor of fold round ``round_``
+        (one factor-update step) and 1 after it, so the step's folds give
+        ``rho F + weight * sum(F_mb)``; a non-finite ``batch`` leaves ``F`` as it was and is
+        counted (``docs/conventions.md``, "Folding statistics where they are computed").
+        A factor that does not exist yet (or changed shape, dtype or device) starts as
+        :meth:`fold` starts it. No host synchronisation on a device; on the CPU the
+        finiteness is read from memory.
+        """
+        running = self.a if side is Side.A else self.g
+        skipped = self.skipped_a if side is Side.A else self.skipped_g
+        stamp = self.stamp_a if side is Side.A else self.stamp_g
+        if (running is None or running.shape != batch.shape or running.dtype != batch.dtype
+                or running.device != batch.device):
+            running = _initial(batch, side in self.diagonal_sides, zero_start)
+        if skipped is None:
+            skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
+        if stamp is None or stamp.device != batch.device:
+            stamp = torch.full((), -1, dtype=torch.int64, device=batch.device)
+        running, stamp, skipped = fold_step(running, batch, stamp, skipped, round_=round_,
+                                            rho=rho, weight=weight)
+        if side is Side.A:
+            self.a, self.stamp_a, self.skipped_a = running, stamp, skipped
+        else:
+            self.g, self.stamp_g, self.skipped_g = running, stamp, skipped
 
     @property
     def skipped(self) -> int:
@@ -234,6 +278,30 @@ def tensor_bytes(*ts: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+def fold_step(
+    running: torch.Tensor, batch: torch.Tensor, stamp: torch.Tensor, skipped: torch.Tensor,
+    *, round_: int, rho: float, weight: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One micro-batch fold: ``(new running, new stamp, new skipped count)``.
+
+    :func:`kaisa.ops.fold`: where ``batch`` is finite, ``running * s + batch * weight`` with
+    ``s = rho`` unless ``stamp == round_`` (already scaled in this round; then ``s = 1``),
+    and the stamp becomes ``round_``; else ``running`` and ``stamp`` stay and ``skipped``
+    grows by one. One operator call with the extension, no host synchronisation.
+    """
+    return ops.fold(running, batch, stamp, skipped, round_=round_, decay=rho, weight=weight)
+
+
+def _initial(batch: torch.Tensor, diagonal: bool, zero_start: bool) -> torch.Tensor:
+    """A running factor that does not exist yet: zero, ones (diagonal) or the identity."""
+    if zero_start:
+        return torch.zeros_like(batch)
+    if diagonal:
+        return torch.ones_like(batch)
+    eye = torch.eye(batch.shape[-1], dtype=batch.dtype, device=batch.device)
+    return eye.expand_as(batch).clone()
+
+
 def _fold(
     running: torch.Tensor | None,
     batch: torch.Tensor,
@@ -242,13 +310,8 @@ def _fold(
     diagonal: bool = False,
     zero_start: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if running is None and zero_start:
-        running = torch.zeros_like(batch)
-    elif running is None and diagonal:
-        running = torch.ones_like(batch)
-    elif running is None:
-        eye = torch.eye(batch.shape[-1], dtype=batch.dtype, device=batch.device)
-        running = eye.expand_as(batch).clone()
+    if running is None:
+        running = _initial(batch, diagonal, zero_start)
     if skipped is None:
         skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
     finite = all_finite(batch)

@@ -8,8 +8,11 @@ never calls up into the product that drives it.
 
 Phases, in the order a step uses them:
 
-* arm the recording (:attr:`~KFACCurvature.recording`) and scope which backward passes
-  record output gradients (:meth:`~KFACCurvature.output_gradients`);
+* arm the recording (:meth:`~KFACCurvature.arm` with the step's running-average decay, which
+  folds the statistics into the running factors where they are computed,
+  :mod:`kaisa.core.folding`; or :attr:`~KFACCurvature.recording` alone, which keeps batch
+  factors until ``step()``) and scope which backward passes record output gradients
+  (:meth:`~KFACCurvature.output_gradients`);
 * :meth:`~KFACCurvature.update_factors` (the running-average decay);
 * :meth:`~KFACCurvature.update_decompositions` (the damping);
 * :meth:`~KFACCurvature.precondition` (the damping; gradients given or read from
@@ -43,6 +46,7 @@ from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_fa
 from kaisa.blocks.state import fold_all
 from kaisa.core.config import KFACConfig
 from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
+from kaisa.core.folding import FactorFolding
 from kaisa.core.grouped import BlockGroup, GroupedDirections, GroupRule, run_groups
 from kaisa.core.hooks import StatisticsRecorder
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
@@ -130,6 +134,7 @@ class KFACCurvature:
         self._engine = DistributedEngine(
             blocks, config.engine_config(_weight_dtype(blocks)), self._method, timings=self._timings
         )
+        self._folding = FactorFolding(config.accumulation_steps)
         self._recorder = StatisticsRecorder(
             blocks,
             in_hook=config.update_factors_in_hook,
@@ -138,6 +143,8 @@ class KFACCurvature:
             on_layer_done=lambda layer: self._engine.layer_done(layer),
             on_backward_end=lambda: self._engine.backward_end(),
             timings=self._timings,
+            on_statistics=self._folding.fold,
+            on_micro_batch_end=lambda: self._folding.leftovers(self._blocks.values()),
         )
         # What a relayout rebuilds blocks and the engine from (cross-attention detected).
         self._model, self._config = model, config
@@ -212,6 +219,7 @@ class KFACCurvature:
             engine = DistributedEngine(blocks, config.engine_config(_weight_dtype(self._blocks)),
                                        self._method, timings=self._timings)
         self._blocks, self._engine = blocks, engine
+        self._folding.apply(blocks.values(), self._foldable)
         self._recorder.retap(module, blocks)
         self._coverage = parameter_coverage(self._model, blocks)
         logger.info("kaisa: %s was called with a query, key and value that are not one "
@@ -270,6 +278,30 @@ class KFACCurvature:
     def recording(self, value: bool) -> None:
         self._recorder.recording = bool(value)
 
+    def arm(self, recording: bool, *, decay: float, zero_start: bool = False) -> None:
+        """Whether the coming forward passes record statistics, and how they are folded.
+
+        The recorded micro-batches are folded into the running factors where they are
+        computed, with the step's decay ``rho`` (``docs/conventions.md``, "Folding
+        statistics where they are computed"); :meth:`update_factors` then averages the
+        running factors over ranks. Blocks whose running factors some ranks do not hold
+        (FSDP2) or whose uses are combined (a tied weight) keep batch factors until then.
+
+        Args:
+            recording: Whether to record (a factor-update step).
+            decay: The running-average decay of the step.
+            zero_start: Running factors that do not exist yet start from zero, not the
+                identity.
+        """
+        self.recording = recording
+        self._folding.arm(self._blocks.values(), decay if recording else None,
+                          zero_start=zero_start, foldable=self._foldable)
+
+    def _foldable(self, block: CurvatureBlock) -> bool:
+        """Whether ``block`` folds its statistics where they are computed."""
+        return (type(block).combine is CurvatureBlock.combine
+                and len(self._engine.factor_holders(block.name)) == self._engine.world_size)
+
     @property
     def recorder(self) -> StatisticsRecorder:
         """The hooks that record the statistics (``keep_outputs``, ``kept_outputs``)."""
@@ -307,12 +339,20 @@ class KFACCurvature:
             zero_start: Running factors start from zero, not the identity.
         """
         with self.timed("factors"):
+            # Statistics computed in step(), or recorded by a forward pass without backward.
+            self._folding.leftovers(self._blocks.values(),
+                                    whole_step=not self._config.update_factors_in_hook)
             self._recorder.compute_saved()
+            batches, running = self._engine.averaged()
+            for name, (a, g) in running.items():
+                factors = self._blocks[name].factors
+                factors.a = factors.a if a is None else a
+                factors.g = factors.g if g is None else g
             items = [(block.factors, *block.combine(*averaged))
                      for block, averaged in ((self._blocks[name], averaged) for name, averaged
-                                             in self._engine.averaged_factors().items())]
+                                             in batches.items())]
             fold_all(items, decay, zero_start=zero_start)
-            if any(a is not None or g is not None for _, a, g in items):
+            if running or any(a is not None or g is not None for _, a, g in items):
                 self._warn_silent_blocks()
 
     def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:
@@ -454,6 +494,7 @@ class KFACCurvature:
         for block in self._blocks.values():
             block.stats.row_draws.clear()
         self._recorder.end_step()
+        self._folding.end_round()
 
     def discard(self) -> None:
         """Forgets what was recorded since the last step (no step follows)."""
@@ -461,6 +502,7 @@ class KFACCurvature:
             block.stats.clear()
         self._engine.drop_pending()
         self._recorder.end_step()
+        self._folding.end_round()
 
     # ------------------------------------------------------------------ ranks
     def any_rank(self, flag: bool) -> bool:

@@ -42,7 +42,7 @@ from kaisa.blocks import CurvatureBlock
 from kaisa.blocks.callsites import CallSite, Cut, FunctionalTap, hook_outputs
 from kaisa.utils.profiling import timed
 
-__all__ = ["StatisticsRecorder", "full_precision", "loss_scale"]
+__all__ = ["StatisticsRecorder", "compute_saved", "full_precision", "loss_scale"]
 
 logger = logging.getLogger("kaisa")
 
@@ -96,6 +96,10 @@ class StatisticsRecorder:
         on_layer_done: Called with a layer whose statistics of the step are complete.
         on_backward_end: Called at the end of the last micro-batch's backward pass.
         timings: Seconds by phase; the hooks add to ``'factors'`` (eager mode only).
+        on_statistics: Called with a layer whose statistics of the current micro-batch
+            are complete (before ``on_layer_done`` for the last micro-batch).
+        on_micro_batch_end: Called at the end of each micro-batch's backward pass (all
+            its passes), before ``on_backward_end`` for the last one.
     """
 
     def __init__(
@@ -108,6 +112,8 @@ class StatisticsRecorder:
         on_layer_done: Callable[[CurvatureBlock], None],
         on_backward_end: Callable[[], None],
         timings: MutableMapping[str, float],
+        on_statistics: Callable[[CurvatureBlock], None] = lambda layer: None,
+        on_micro_batch_end: Callable[[], None] = lambda: None,
     ) -> None:
         self._layers = layers
         self._in_hook = in_hook
@@ -115,6 +121,8 @@ class StatisticsRecorder:
         self._accumulation_steps = accumulation_steps
         self._on_layer_done = on_layer_done
         self._on_backward_end = on_backward_end
+        self._on_statistics = on_statistics
+        self._on_micro_batch_end = on_micro_batch_end
         self._timings = timings
         #: Whether forward passes record statistics (a factor-update step).
         self.recording = False
@@ -131,6 +139,9 @@ class StatisticsRecorder:
         self.kept_outputs: list[GradientEdge] = []
         self._forward_calls: dict[str, int] = {}
         self._grad_calls: dict[str, int] = {}
+        # The same counts in the current micro-batch (the last backward pass's end resets).
+        self._batch_forward: dict[str, int] = {}
+        self._batch_grads: dict[str, int] = {}
         self._micro_batches = 0
         self._passes_done = 0
         self._callback_queued = False
@@ -185,6 +196,8 @@ class StatisticsRecorder:
         """Resets the per-step counters."""
         self._forward_calls.clear()
         self._grad_calls.clear()
+        self._batch_forward.clear()
+        self._batch_grads.clear()
         self._micro_batches = 0
         self._passes_done = 0
         self.kept_outputs.clear()
@@ -192,16 +205,7 @@ class StatisticsRecorder:
     def compute_saved(self) -> None:
         """Turns kept inputs / output gradients into batch factors (``in_hook=False``)."""
         for layer in self._layers.values():
-            stats = layer.stats
-            if not (stats.saved_inputs or stats.saved_grads):
-                continue
-            with torch.no_grad(), full_precision(layer.weight):
-                for x, site in stats.saved_inputs:
-                    layer.record_input(x, in_hook=True, site=site)
-                for d, divisor, site in stats.saved_grads:
-                    layer.record_output_grad(d, divisor, in_hook=True, inputs=None, site=site)
-            stats.saved_inputs.clear()
-            stats.saved_grads.clear()
+            compute_saved(layer)
 
     # ------------------------------------------------------------------ hooks
     def _active(self, module: nn.Module) -> bool:
@@ -243,6 +247,7 @@ class StatisticsRecorder:
         """Records one use of ``layer`` at its call site ``site``; hooks the output gradient."""
         name = layer.name
         self._forward_calls[name] = self._forward_calls.get(name, 0) + 1
+        self._batch_forward[name] = self._batch_forward.get(name, 0) + 1
         self._timed(self._record_input, layer, x, site)
         hook_outputs(outputs, self._grad_hook(layer, x, site, cut))
         if self.keep_outputs:
@@ -275,9 +280,12 @@ class StatisticsRecorder:
                 return
             name = layer.name
             self._grad_calls[name] = self._grad_calls.get(name, 0) + 1
+            self._batch_grads[name] = self._batch_grads.get(name, 0) + 1
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            if self._batch_grads[name] == self._batch_forward.get(name, 0) * self.g_passes:
+                self._timed(self._on_statistics, layer)
             last = self._micro_batches == self._accumulation_steps - 1
             expected = self._forward_calls.get(name, 0) * self.g_passes
             if last and self._grad_calls[name] == expected:
@@ -292,6 +300,9 @@ class StatisticsRecorder:
             return
         self._passes_done = 0
         self._micro_batches += 1
+        self._on_micro_batch_end()
+        self._batch_forward.clear()
+        self._batch_grads.clear()
         if self._micro_batches >= self._accumulation_steps:
             self._on_backward_end()
 
@@ -312,6 +323,14 @@ class StatisticsRecorder:
             return
         with timed(self._timings, "factors"):
             fn(layer, *args)
+
+
+def compute_saved(layer: CurvatureBlock) -> None:
+    """:meth:`~kaisa.blocks.CurvatureBlock.compute_saved` as the hooks compute statistics."""
+    stats = layer.stats
+    if stats.saved_inputs or stats.saved_grads:
+        with torch.no_grad(), full_precision(layer.weight):
+            layer.compute_saved()
 
 
 def _in_functorch_transform() -> bool:

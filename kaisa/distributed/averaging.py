@@ -57,6 +57,8 @@ class FactorAverages:
         self._sym = symmetry_aware
         self._waiting = waiting
         self._pending: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
+        # Running factors folded in the hooks, averaged over ranks (every rank holds them).
+        self._running: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
         # Reduces to other ranks that this rank contributes to (waited, results dropped).
         self._contributions: list[CommHandle] = []
 
@@ -73,12 +75,26 @@ class FactorAverages:
         return tuple(sorted({placed.a_rank, placed.g_rank}))
 
     def layer_done(self, layer: CurvatureBlock) -> None:
-        """Starts averaging ``layer``'s batch factors unless started or nothing recorded."""
+        """Starts averaging ``layer``'s factors unless started or nothing recorded.
+
+        The running factors of the sides folded in this step (``layer.stats.folded``,
+        every rank holds them), else the batch factors recorded.
+        """
+        # Diagonal sides (scale-shift's G too) travel unpacked.
+        sym_a, sym_g = (self._sym and not layer.is_diagonal(side) for side in (Side.A, Side.G))
+        folded = layer.stats.folded
+        if folded and layer.name not in self._running:
+            f, comm = layer.factors, self._comm
+            self._running[layer.name] = (
+                comm.allreduce_mean(f.a, symmetric=sym_a) if Side.A in folded and f.a is not None
+                else None,
+                comm.allreduce_mean(f.g, symmetric=sym_g) if Side.G in folded and f.g is not None
+                else None,
+            )
+            folded.clear()
         if layer.name in self._pending or not layer.stats.has_factors:
             return
         a_batch, g_batch = layer.stats.take()
-        # Diagonal sides (scale-shift's G too) travel unpacked.
-        sym_a, sym_g = (self._sym and not layer.is_diagonal(side) for side in (Side.A, Side.G))
         holders = self.holders(layer.name)
         if len(holders) == self._comm.world_size:
             comm = self._comm
@@ -110,15 +126,17 @@ class FactorAverages:
             self.layer_done(layer)
         self._comm.flush()
 
-    def wait(self) -> dict[str, _Pair]:
+    def wait(self) -> tuple[dict[str, _Pair], dict[str, _Pair]]:
         """Waits for every started factor collective.
 
         Every rank that keeps a block's running factors (:meth:`holders`) gets the same
-        averaged batch factors, so they (and the non-finite skips) stay identical there.
+        averaged factors, so they stay identical there.
 
         Returns:
             ``name -> (A, G)`` batch factors averaged over ranks (``None`` for a side
-            not recorded, and on a rank that does not keep the block's factors).
+            not recorded, and on a rank that does not keep the block's factors), and
+            ``name -> (A, G)`` running factors folded in the step, averaged over ranks
+            (``None`` for a side not folded).
         """
         self.backward_end()
         with self._waiting():
@@ -126,12 +144,17 @@ class FactorAverages:
                 name: (None if ha is None else ha.wait(), None if hg is None else hg.wait())
                 for name, (ha, hg) in self._pending.items()
             }
+            running = {
+                name: (None if ha is None else ha.wait(), None if hg is None else hg.wait())
+                for name, (ha, hg) in self._running.items()
+            }
             for handle in self._contributions:
                 handle.wait()
         self.drop()
-        return averaged
+        return averaged, running
 
     def drop(self) -> None:
         """Forgets the collectives started in an abandoned step (no step follows)."""
         self._pending.clear()
+        self._running.clear()
         self._contributions.clear()

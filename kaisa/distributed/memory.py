@@ -8,9 +8,13 @@ The model counts, for every rank, the bytes of
   factors keep them (they are reduced to those ranks), about ``1/world`` each;
 * ``decompositions``: eigenvectors and eigenvalues (``'eigen'``) or inverses
   (``'inverse'``) of the layers for which the rank is a gradient worker;
-* ``buffers``: the per-step batch factors held until the asynchronous
-  allreduce finishes (all layers), plus one gradient-sized receive buffer per
-  layer whose preconditioned gradient the rank receives by broadcast.
+* ``buffers``: at the peak of a factor step (after its backward pass): with DDP and one
+  process the statistics are folded into the running factors where they are computed
+  (``docs/conventions.md``), so no batch factor is left; on several ranks the running
+  factors' copies in the communication buckets of their asynchronous allreduce (upper
+  triangles with ``symmetry_aware``); under FSDP2 the batch factors, reduced to their
+  owners in ``step()``. Plus one gradient-sized receive buffer per layer whose
+  preconditioned gradient the rank receives by broadcast.
 
 The decomposition bytes follow the placement computed by
 :func:`kaisa.distributed.placement.place_layers`, so the estimate is per rank
@@ -168,6 +172,7 @@ def estimate_memory(
     colocate_factors: bool = True,
     diagonal_sides: Mapping[str, Diagonal] | None = None,
     owned_factors: bool = False,
+    symmetry_aware: bool = False,
 ) -> MemoryEstimate:
     """Models every rank's K-FAC memory for one grid.
 
@@ -190,6 +195,7 @@ def estimate_memory(
         diagonal_sides: The sides each layer keeps as diagonals (``n`` elements, not
             ``n^2``); missing layers have none.
         owned_factors: Running factors only on the ranks that decompose them (FSDP2).
+        symmetry_aware: Dense factors travel as upper triangles (their bucket copies).
 
     Returns:
         The estimate.
@@ -207,6 +213,12 @@ def estimate_memory(
         for name, (a, g) in layer_dims.items()
     }
     factor_numel = sum(layer_numel.values())
+    sent_numel = sum(  # a running factor's copy in its allreduce bucket
+        groups.get(name, 1) * sum(
+            n if side in diagonal.get(name, DENSE)
+            else n * (n + 1) // 2 if symmetry_aware else n * n
+            for side, n in ((Side.A, a), (Side.G, g)))
+        for name, (a, g) in layer_dims.items())
     per_rank: list[dict[str, int]] = []
     for rank in range(grid.world_size):
         held = factor_numel if not owned_factors else sum(
@@ -222,8 +234,10 @@ def estimate_memory(
             else:
                 # Received preconditioned gradient plus its validity flag.
                 received += blocks * lp.a_dim * lp.g_dim + 1
-        # Batch factors wait for the allreduce between backward and step().
-        buffers = factor_numel + received if grid.world_size > 1 else factor_numel
+        if owned_factors:  # batch factors wait for their reduce between backward and step()
+            buffers = factor_numel + received if grid.world_size > 1 else factor_numel
+        else:  # folded: the running factors' bucket copies wait for their allreduce
+            buffers = sent_numel + received if grid.world_size > 1 else 0
         entry = {
             "factors": held * itemsize,
             "decompositions": decomp * inv_size,

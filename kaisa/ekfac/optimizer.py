@@ -333,7 +333,8 @@ class EKFAC(torch.optim.Optimizer):
 
     def _arm(self) -> None:  # whether the coming forward passes record statistics
         s = self.steps
-        self.curvature.recording = s % self._schedules.integer("factor_update_steps", s) == 0
+        self.curvature.arm(s % self._schedules.integer("factor_update_steps", s) == 0,
+                           decay=self._schedules.real("factor_decay", s), zero_start=True)
 
     # ------------------------------------------------------------------ views
     def coverage(self) -> dict[str, str]:

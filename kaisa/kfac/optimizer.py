@@ -357,7 +357,8 @@ class KFAC(torch.optim.Optimizer):
         self._arm()
 
     def _arm(self) -> None:  # whether the coming forward passes record statistics
-        self.curvature.recording = recording = self._due("factor_update_steps")
+        recording = self._due("factor_update_steps")
+        self.curvature.arm(recording, decay=self._schedules.real("factor_decay", self.steps))
         # G's passes differentiate the hooked outputs only (kaisa.kfac.fisher.record_g)
         self.curvature.recorder.keep_outputs = (
             recording and self.config.curvature is not Curvature.EMPIRICAL)

@@ -46,6 +46,7 @@ from kaisa.ops._checks import (
     ConvArgs,
     _check_eigen_args,
     _check_float_tensor,
+    _check_fold_args,
     _check_scalar,
     _conv_args,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "eigh_checks_finite",
     "eigh_status",
     "extension_available",
+    "fold",
     "extension_error",
     "kernels",
     "prescaled",
@@ -426,6 +428,51 @@ def _batched_eigh_status_fake(
     _require(a.shape[-1] == a.shape[-2], lambda: "kaisa batched_eigh: a must be square")
     status = a.new_empty((*a.shape[:-2], 2), dtype=torch.int32)
     return a.new_empty(a.shape[:-1]), a.new_empty(a.shape), status
+
+
+def fold(
+    running: torch.Tensor, batch: torch.Tensor, stamp: torch.Tensor, skipped: torch.Tensor,
+    *, round_: int, decay: float, weight: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Folds one micro-batch factor into a running factor, or skips a non-finite one.
+
+    Where every entry of ``batch`` is finite: ``running * s + batch * weight``, with
+    ``s = decay`` unless ``stamp == round_`` (the factor was scaled in this round), and the
+    stamp becomes ``round_``; else ``running`` and the stamp stay and ``skipped`` grows by
+    one (``docs/conventions.md``, "Folding statistics where they are computed"). No host
+    synchronisation: the flags stay on the device. The products and the sum are rounded
+    one at a time on every backend.
+
+    Args:
+        running: The running factor (any shape, floating point).
+        batch: The micro-batch factor, of ``running``'s shape, dtype and device.
+        stamp: 0-d int64: the round in which ``running`` was last scaled.
+        skipped: 0-d int64: the count of non-finite factors skipped.
+        round_: The current fold round.
+        decay: ``rho``.
+        weight: What ``batch`` is multiplied by.
+
+    Returns:
+        New ``(running, stamp, skipped)`` tensors (the inputs are not modified).
+
+    Raises:
+        TypeError: If ``running`` is not floating point.
+        ValueError: If the shapes, dtypes or devices do not match.
+    """
+    _check_fold_args(running, batch, stamp, skipped)
+    args = (running, batch, stamp, skipped, int(round_), float(decay), float(weight))
+    if running.dtype in (torch.float32, torch.float64) and _use_ext("fold", running.device):
+        return torch.ops.kaisa.fold(*args)  # type: ignore[no-any-return]
+    return _reference.fold(*args)
+
+
+@_fake("fold")
+def _fold_fake(running: torch.Tensor, batch: torch.Tensor, stamp: torch.Tensor,
+               skipped: torch.Tensor, round_: int, decay: float, weight: float,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _require(batch.shape == running.shape, lambda: "kaisa fold: batch must match running")
+    return (torch.empty_like(running, memory_format=torch.contiguous_format),
+            torch.empty_like(stamp), torch.empty_like(skipped))
 
 
 OPS: tuple[str, ...] = tuple(_FAKES)

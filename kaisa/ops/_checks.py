@@ -166,3 +166,21 @@ def _check_eigen_args(
             raise ValueError(f"{name} has dtype {t.dtype} but grad has dtype {g.dtype}")
         if t.device != g.device:
             raise ValueError(f"{name} is on {t.device} but grad is on {g.device}")
+
+
+def _check_fold_args(running: object, batch: object, stamp: object, skipped: object) -> None:
+    """The contract of :func:`kaisa.ops.fold` (``csrc/kaisa.cpp``'s ``check_fold_args``)."""
+    r = _check_tensor(running, "running")
+    b = _check_tensor(batch, "batch")
+    if not r.is_floating_point():
+        raise TypeError(f"running must have a floating point dtype, got {r.dtype}")
+    if b.dtype != r.dtype or b.shape != r.shape or b.device != r.device:
+        raise ValueError(f"batch must have running's shape, dtype and device "
+                         f"{tuple(r.shape)}, {r.dtype}, {r.device}; got {tuple(b.shape)}, "
+                         f"{b.dtype}, {b.device}")
+    for t, name in ((stamp, "stamp"), (skipped, "skipped")):
+        c = _check_tensor(t, name)
+        if c.dim() != 0 or c.dtype != torch.int64 or c.device != r.device:
+            raise ValueError(f"{name} must be a 0-d int64 tensor on {r.device}, got "
+                             f"{c.dtype} of shape {tuple(c.shape)} on {c.device}")
+

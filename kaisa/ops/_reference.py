@@ -25,6 +25,7 @@ __all__ = [
     "eigen_precondition",
     "eigh",
     "eigh_status",
+    "fold",
 ]
 
 
@@ -184,3 +185,23 @@ def eigh_status(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     if a.dim() == 2:
         return vals[0], vecs[0], status[0]
     return vals, vecs, status
+
+
+def fold(
+    running: torch.Tensor, batch: torch.Tensor, stamp: torch.Tensor, skipped: torch.Tensor,
+    round_: int, decay: float, weight: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One micro-batch factor folded into a running factor (see :func:`kaisa.ops.fold`).
+
+    Where ``batch`` is finite: ``running * s + batch * weight`` with ``s = decay`` unless
+    ``stamp == round_`` (then ``s = 1``), and the stamp becomes ``round_``; else
+    ``running`` and the stamp, and ``skipped + 1``.
+    """
+    finite = torch.isfinite(batch).all()
+    rho = torch.full((), decay, dtype=running.dtype, device=running.device)
+    scale = torch.where(stamp != round_, rho, torch.ones_like(rho))
+    updated = running * scale + batch * weight
+    return (torch.where(finite, updated, running),
+            torch.where(finite, torch.full_like(stamp, round_), stamp),
+            skipped + (~finite).to(skipped.dtype))
+

@@ -295,7 +295,8 @@ class KFACPreconditioner:
 
     def _arm(self) -> None:
         """Tells the core whether the coming forward passes record statistics."""
-        self._curvature.recording = self._steps % self.factor_update_steps == 0
+        self._curvature.arm(self._steps % self.factor_update_steps == 0,
+                            decay=self.factor_decay)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, include_factors: bool = True, *, gather: bool = False) -> dict[str, Any]:

@@ -188,7 +188,8 @@ def test_factor_memory_smoke(tmp_path: Path) -> None:
 
     The running factors and the decompositions held are what the memory model counts, to
     the byte, at every fraction, and at the peak of a factor step every rank holds the
-    model's total within 5% (the model also counts the receive buffers of ``step()``).
+    model's total within 5% (the model also counts the receive buffers of ``step()``); one
+    process holds no batch factor there.
     """
     module = load_bench("factor_memory")
     out = tmp_path / "factor_memory.json"
@@ -205,7 +206,9 @@ def test_factor_memory_smoke(tmp_path: Path) -> None:
                 assert got["decompositions_mb"] == pytest.approx(
                     rank["model"]["decompositions"], rel=1e-9), (row["world"], row["fraction"])
             assert rank["between"]["batch_mb"] < 0.01  # nothing of the step is left
-            assert rank["peak"]["batch_mb"] > 0
+            # one process: folded where computed, no batch factor (the folds' 0-d counters
+            # only); several: the running factors' copies in their allreduce buckets
+            assert (rank["peak"]["batch_mb"] > 0.01) == (row["world"] > 1), row
             ratio = rank["peak"]["held_mb"] / rank["model"]["total"]
             assert 0.95 <= ratio <= 1.001, (row["world"], row["fraction"], ratio)  # 0-d counts
     assert "| 2 | 1/2 |" in module.table(rows)

@@ -1,10 +1,10 @@
 """The hooks' operator calls: a few per factor, none that reads a value on the host.
 
 A forward and backward pass that records statistics adds, per registered Kronecker
-block, the factor kernels and a handful of calls (on the CPU: one ``aminmax`` per factor
-for the overflow guard, whose values are read from memory, and the layout calls of a
-Linear or a convolution's G factor), never a ``detach`` of what is used at once, and
-never a host read (``item``). ``bench/step_cost/launches.py`` counts the same for
+block, the factor kernels, one ``fold`` per factor (into the running factor) and a handful
+of calls (on the CPU: one ``aminmax`` per factor for the overflow guard, whose values are
+read from memory, and the layout calls of a Linear or a convolution's G factor), never a
+``detach`` of what is used at once, and never a host read (``item``). ``bench/step_cost/launches.py`` counts the same for
 ResNet-50 and the GPT.
 """
 
@@ -39,14 +39,19 @@ def _fwd_bwd(model: nn.Module, x: torch.Tensor) -> collections.Counter[str]:
 def test_recording_adds_a_few_calls_per_factor_and_no_host_read() -> None:
     model = _net()
     plain = copy.deepcopy(model)
-    kaisa.KFACPreconditioner(model)
+    pre = kaisa.KFACPreconditioner(model)
     x = torch.randn(2, 3, 6, 6)
+    for net in (model, plain):  # the gradients exist in both
+        net(x).square().sum().backward()
+    pre.step()  # the running factors exist: a steady step from here on
     recorded, baseline = _fwd_bwd(model, x), _fwd_bwd(plain, x)
     extra = recorded - baseline
     blocks = 4
     assert extra["aten.aminmax"] == 2 * blocks  # one overflow guard per factor
+    assert extra["kaisa.fold"] == 2 * blocks  # each factor folded where it is computed
     assert recorded["aten.detach"] == baseline["aten.detach"]  # nothing used at once detached
     assert "aten._local_scalar_dense" not in recorded  # no host read, no sync on a GPU
-    # 38 here on the CPU (a grouped convolution's G is a batched product and its layout
-    # calls); each factor took about 18 calls before the guard was read from memory
-    assert sum(extra.values()) <= 10 * blocks, extra
+    # 46 here on the CPU: 38 (a grouped convolution's G is a batched product and its layout
+    # calls) and the 8 folds, which step() no longer makes; each factor took about 18
+    # calls before the guard was read from memory
+    assert sum(extra.values()) <= 12 * blocks, extra

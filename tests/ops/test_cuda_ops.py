@@ -525,3 +525,42 @@ def test_batched_eigh_on_a_side_stream_and_thread(backend: Backend, n: int) -> N
     worker.start()
     worker.join()
     torch.testing.assert_close(got[0], want, rtol=1e-9, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- #
+# fold
+# --------------------------------------------------------------------------- #
+
+# Shapes: one element, a ragged factor, empty, and (for the first fold only: the emulator
+# takes seconds a pass) more elements than one grid pass covers (4096 blocks of 256 threads).
+FOLD_BRANCHES = [(-1, None), (4, None), (-1, math.nan), (4, math.inf)]
+FOLD_CASES = [(shape, stamp, bad) for shape in [(1, 1, 1), (3, 7, 7), (0, 4, 4)]
+              for stamp, bad in FOLD_BRANCHES] + [((2, 1100, 1000), -1, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("shape", "stamp", "bad"), FOLD_CASES, ids=str)
+def test_fold(backend: Backend, dtype: torch.dtype, shape: tuple[int, ...], stamp: int,
+              bad: float | None) -> None:
+    """Bit for bit the reference (no fused multiply-add), the flags read on the device."""
+    running = _rand(shape, dtype)
+    batch = _rand(shape, dtype)
+    if bad is not None and batch.numel():
+        batch.view(-1)[-1] = bad  # the last element: the grid-stride loop's far end
+    st, sk = torch.tensor(stamp), torch.tensor(7)
+    dev = backend.to_device
+    runs = _runs(backend, lambda: backend.ops().fold(dev(running), dev(batch), dev(st), dev(sk),
+                                                     4, 0.95, 0.05 / 3))
+    want = ref.fold(running, batch, st, sk, 4, 0.95, 0.05 / 3)
+    for got in runs:
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.cpu(), w), (g, w)
+
+
+def test_fold_rejects_bad_arguments(backend: Backend) -> None:
+    dev = backend.to_device
+    r, st = dev(torch.ones(2, 3, 3)), dev(torch.tensor(0))
+    with pytest.raises(RuntimeError, match="kaisa fold: batch must have running's shape"):
+        backend.ops().fold(r, dev(torch.ones(2, 3)), st, st, 0, 0.9, 0.1)
+    with pytest.raises(RuntimeError, match="skipped must be a 0-d int64"):
+        backend.ops().fold(r, r, st, dev(torch.zeros(1, dtype=torch.int64)), 0, 0.9, 0.1)

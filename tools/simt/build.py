@@ -189,7 +189,7 @@ def load(sanitize: bool = False, verbose: bool = False) -> Path:
     build_dir = ROOT / "build" / name
     sources = generate(build_dir / "gen", source) + [SIMT / "src" / s for s in RUNTIME]
     cflags = ["-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter",
-              "-Wno-unknown-pragmas"]
+              "-Wno-unknown-pragmas", "-ffp-contract=off"]
     ldflags: list[str] = []
     if sanitize:
         san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]

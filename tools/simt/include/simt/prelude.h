@@ -26,6 +26,14 @@
 // CUDA's math overloads for float (fma(float, float, float) is fmaf, not the
 // double fma).
 using std::fma;
+using std::isfinite;
+
+// CUDA's round-to-nearest arithmetic intrinsics (never contracted into an fma):
+// the host's IEEE operations (the emulator is built without contraction).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
 
 // Registration under the test namespace (see the header comment): kaisa's
 // library becomes kaisa_simt; the emulator's own test kernels

@@ -1,0 +1,88 @@
+"""Folding statistics into the running factors where they are computed.
+
+A factor-update step does not keep a second, batch copy of every factor until ``step()``:
+each micro-batch's statistics of a block are folded into its running factors as soon as
+they are complete (``docs/conventions.md``, "Folding statistics where they are
+computed"), and the distributed engine then averages the running factors over ranks.
+:class:`FactorFolding` holds what a fold needs (the step's decay, whether a factor starts
+from zero, the fold round) and which blocks fold: every block whose running factors every
+rank holds and whose batch factors need no combining across uses (a tied weight's do); the
+others keep their batch factors until ``step()``, as before.
+
+The core (:class:`~kaisa.core.curvature.KFACCurvature`) arms it for each step and calls
+:meth:`FactorFolding.fold` from the hooks (a block's micro-batch is complete) and at the end
+of each micro-batch's backward pass (:meth:`FactorFolding.leftovers`: what a block recorded
+without completing, e.g. an output that did not reach the loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from kaisa.blocks import CurvatureBlock
+from kaisa.core.hooks import compute_saved
+from kaisa.utils.enums import Side
+
+__all__ = ["FactorFolding"]
+
+
+class FactorFolding:
+    """The folding of one core's blocks.
+
+    Args:
+        accumulation_steps: Micro-batches per step (``k``: a micro-batch factor weighs
+            ``(1 - rho) / k``).
+    """
+
+    def __init__(self, accumulation_steps: int) -> None:
+        self._k = accumulation_steps
+        #: The decay of the armed step, ``None`` while blocks do not fold.
+        self.decay: float | None = None
+        #: Running factors that do not exist yet start from zero (else the identity).
+        self.zero_start = False
+        #: The fold round: one per step (a factor is scaled by ``rho`` once a round).
+        self.round = 0
+
+    def arm(self, blocks: Iterable[CurvatureBlock], decay: float | None, *, zero_start: bool,
+            foldable: Callable[[CurvatureBlock], bool]) -> None:
+        """Folds the coming step's statistics with ``decay`` (``None``: no folding)."""
+        self.decay, self.zero_start = decay, zero_start
+        self.apply(blocks, foldable)
+
+    def apply(self, blocks: Iterable[CurvatureBlock],
+              foldable: Callable[[CurvatureBlock], bool]) -> None:
+        """Marks which of ``blocks`` fold (again after the blocks were rebuilt)."""
+        for block in blocks:
+            block.stats.folding = self.decay is not None and foldable(block)
+
+    def fold(self, block: CurvatureBlock, *, whole_step: bool = False) -> None:
+        """Folds what ``block`` recorded (one micro-batch's statistics) into its factors.
+
+        Args:
+            block: The block; nothing happens unless it folds.
+            whole_step: The statistics are the whole step's (computed in ``step()``): they
+                weigh ``1 - rho``, not ``(1 - rho) / k``.
+        """
+        stats, decay = block.stats, self.decay
+        if not stats.folding or decay is None:
+            return
+        compute_saved(block)
+        a_batch, g_batch = stats.take()
+        weight = (1.0 - decay) if whole_step else (1.0 - decay) / self._k
+        for side, batch in ((Side.A, a_batch), (Side.G, g_batch)):
+            if batch is None:
+                continue
+            block.factors.fold_micro(side, batch, rho=decay, weight=weight, round_=self.round,
+                                     zero_start=self.zero_start)
+            stats.folded.add(side)
+
+    def leftovers(self, blocks: Iterable[CurvatureBlock], *, whole_step: bool = False) -> None:
+        """:meth:`fold` of every folding block that holds statistics."""
+        for block in blocks:
+            stats = block.stats
+            if stats.folding and (stats.has_factors or stats.saved_inputs or stats.saved_grads):
+                self.fold(block, whole_step=whole_step)
+
+    def end_round(self) -> None:
+        """Ends the step's folds (the next step scales every factor by its decay again)."""
+        self.round += 1

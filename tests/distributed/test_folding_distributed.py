@@ -1,0 +1,96 @@
+"""Running factors folded where computed and averaged over ranks equal the batch path.
+
+On 2 and 4 gloo ranks, every KAISA strategy, the three products in float64: training with
+the statistics folded into the running factors in the backward pass (then the running
+factors averaged over ranks) ends with the parameters of the batch path (the micro-batch
+factors summed, averaged over ranks, then folded in ``step()``) to 1e-12 relative, and
+every rank holds the same running factors. One process: ``tests/core/test_folding.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import kaisa
+from tests.core.test_folding import assert_close, batch_path, loss_of
+from tests.support.dist import run_distributed
+
+STEPS = 4
+ROWS = 24  # per rank: more than any factor's dimension
+
+
+def _net(product: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4 * 4, 6),
+        nn.LayerNorm(6) if product != "ekfac" else nn.Identity(), nn.Tanh(), nn.Linear(6, 3),
+    ).double()
+
+
+def _train(product: str, strategy: str, rank: int, world: int) -> list[torch.Tensor]:
+    model = _net(product)
+    net = DistributedDataParallel(model)
+    common: dict[str, Any] = {"grad_worker_fraction": strategy, "inv_dtype": torch.float64}
+    k = 2 if product != "kfac" else 1
+    if product == "ekfac":
+        opt: Any = kaisa.EKFAC(model, lr=1e-2, basis_update_steps=2, accumulation_steps=k,
+                               **common)
+    elif product == "kfac":
+        opt = kaisa.KFAC(model, loss="cross_entropy", curvature="empirical", lr=0.1,
+                         momentum=0.5, damping=0.01, inv_update_steps=2, **common)
+    else:
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        pre = kaisa.KFACPreconditioner(model, inv_update_steps=2, damping=0.01,
+                                       accumulation_steps=k, **common)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(k, world * ROWS, 2, 4, 4, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (k, world * ROWS), generator=g)
+        x, y = x[:, rank * ROWS:(rank + 1) * ROWS], y[:, rank * ROWS:(rank + 1) * ROWS]
+        if product == "kfac":
+            opt.step(lambda x=x[0], y=y[0]: (net(x), y))
+            continue
+        for p in model.parameters():
+            p.grad = None
+        for m in range(k):
+            (loss_of(product, net(x[m]), y[m]) / k).backward()
+        if product == "ekfac":
+            opt.step()
+        else:
+            pre.step()
+            sgd.step()
+    core = opt.curvature if product != "preconditioner" else pre._curvature
+    factors = [t for b in core.blocks.values() for t in (b.factors.a, b.factors.g)
+               if t is not None]
+    return [p.detach().clone() for p in model.parameters()] + factors
+
+
+def _job(rank: int, world: int, cases: list[tuple[str, str]]) -> list[list[list[torch.Tensor]]]:
+    out = []
+    for product, strategy in cases:
+        folded = _train(product, strategy, rank, world)
+        with batch_path():
+            batched = _train(product, strategy, rank, world)
+        out.append([folded, batched])
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_folding_equals_the_batch_path_on_every_strategy(world: int) -> None:
+    strategies = ["comm_opt", "mem_opt"] + (["hybrid_opt"] if world == 4 else [])
+    cases = [(p, s) for p in ("preconditioner", "kfac", "ekfac") for s in strategies]
+    results = run_distributed(_job, world, cases, timeout=280)
+    for i, case in enumerate(cases):
+        folded, batched = results[0][i]
+        assert_close(folded, batched)  # parameters and running factors, to 1e-12
+        for r in range(1, world):
+            for a, b in zip(results[r][i][0], folded, strict=True):
+                assert torch.equal(a, b), f"rank {r} differs from rank 0 ({case})"
+
