@@ -1,13 +1,16 @@
-"""Where each step's batch factors go: averaged to every rank, or reduced to their owners.
+"""Where each step's factors go: averaged on every rank, or reduced to their owners.
 
-With DDP (and one process) every rank averages every block's batch factors
-(``allreduce``) and keeps every running factor. For a model FSDP2 shards, a Kronecker
+With DDP (and one process) every rank keeps every running factor: the statistics are folded
+into them where they are computed (:mod:`kaisa.core.folding`), and the running factors are
+averaged in place (``allreduce``, written back into them; a tied weight's batch factors,
+which are combined first, are averaged as batch factors). For a model FSDP2 shards, a Kronecker
 block's batch factors are reduced (averaged) only to the ranks that decompose them
 (``reduce``, fused into one bucket per destination), which alone keep its running
 factors, so each rank's factor memory is about ``1/world`` of the total; diagonal blocks
-(not placed, preconditioned on every rank) are averaged to every rank as before.
-:class:`FactorAverages` starts these collectives as layers finish their backward pass and
-waits for them at ``step()``; :class:`~kaisa.distributed.DistributedEngine` delegates to it.
+(not placed, preconditioned on every rank) fold and are averaged on every rank.
+:class:`FactorAverages` starts these collectives as layers finish their backward pass,
+waits for the running factors' at the end of the backward pass and for the rest at
+``step()``; :class:`~kaisa.distributed.DistributedEngine` delegates to it.
 """
 
 from __future__ import annotations
@@ -86,9 +89,9 @@ class FactorAverages:
         if folded and layer.name not in self._running:
             f, comm = layer.factors, self._comm
             self._running[layer.name] = (
-                comm.allreduce_mean(f.a, symmetric=sym_a) if Side.A in folded and f.a is not None
+                comm.allreduce_mean_(f.a, symmetric=sym_a) if Side.A in folded and f.a is not None
                 else None,
-                comm.allreduce_mean(f.g, symmetric=sym_g) if Side.G in folded and f.g is not None
+                comm.allreduce_mean_(f.g, symmetric=sym_g) if Side.G in folded and f.g is not None
                 else None,
             )
             folded.clear()
@@ -121,10 +124,20 @@ class FactorAverages:
         return mine
 
     def backward_end(self) -> None:
-        """Starts every remaining factor collective and launches all buckets."""
+        """Starts every remaining factor collective and launches all buckets.
+
+        Then waits for the running factors' averages (in place): nothing of them is held
+        beyond the factors after the backward pass (on a GPU a stream dependency, not a
+        host wait; ``step()`` would wait for them first).
+        """
         for layer in self._layers.values():
             self.layer_done(layer)
         self._comm.flush()
+        with self._waiting():
+            for handles in self._running.values():
+                for handle in handles:
+                    if handle is not None:
+                        handle.wait()
 
     def wait(self) -> tuple[dict[str, _Pair], dict[str, _Pair]]:
         """Waits for every started factor collective.

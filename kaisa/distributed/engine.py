@@ -148,7 +148,6 @@ class DistributedEngine:
             assignment_strategy=cfg.assignment_strategy,
             colocate_factors=cfg.colocate_factors,
             owned_factors=self._owned_factors,
-            symmetry_aware=cfg.symmetry_aware,
             **self._sizes,
         )
 

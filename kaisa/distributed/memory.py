@@ -9,12 +9,12 @@ The model counts, for every rank, the bytes of
 * ``decompositions``: eigenvectors and eigenvalues (``'eigen'``) or inverses
   (``'inverse'``) of the layers for which the rank is a gradient worker;
 * ``buffers``: at the peak of a factor step (after its backward pass): with DDP and one
-  process the statistics are folded into the running factors where they are computed
-  (``docs/conventions.md``), so no batch factor is left; on several ranks the running
-  factors' copies in the communication buckets of their asynchronous allreduce (upper
-  triangles with ``symmetry_aware``); under FSDP2 the batch factors, reduced to their
-  owners in ``step()``. Plus one gradient-sized receive buffer per layer whose
-  preconditioned gradient the rank receives by broadcast.
+  process nothing (the statistics are folded into the running factors where they are
+  computed, ``docs/conventions.md``, and the running factors are averaged in place by the
+  end of the backward pass; during it at most two buckets' copies are in flight,
+  ``allreduce_bucket_cap_mb`` each, none for a factor alone in its bucket); under FSDP2 the
+  batch factors, reduced to their owners in ``step()``. Plus one gradient-sized receive
+  buffer per layer whose preconditioned gradient the rank receives by broadcast.
 
 The decomposition bytes follow the placement computed by
 :func:`kaisa.distributed.placement.place_layers`, so the estimate is per rank
@@ -172,7 +172,6 @@ def estimate_memory(
     colocate_factors: bool = True,
     diagonal_sides: Mapping[str, Diagonal] | None = None,
     owned_factors: bool = False,
-    symmetry_aware: bool = False,
 ) -> MemoryEstimate:
     """Models every rank's K-FAC memory for one grid.
 
@@ -195,7 +194,6 @@ def estimate_memory(
         diagonal_sides: The sides each layer keeps as diagonals (``n`` elements, not
             ``n^2``); missing layers have none.
         owned_factors: Running factors only on the ranks that decompose them (FSDP2).
-        symmetry_aware: Dense factors travel as upper triangles (their bucket copies).
 
     Returns:
         The estimate.
@@ -213,12 +211,6 @@ def estimate_memory(
         for name, (a, g) in layer_dims.items()
     }
     factor_numel = sum(layer_numel.values())
-    sent_numel = sum(  # a running factor's copy in its allreduce bucket
-        groups.get(name, 1) * sum(
-            n if side in diagonal.get(name, DENSE)
-            else n * (n + 1) // 2 if symmetry_aware else n * n
-            for side, n in ((Side.A, a), (Side.G, g)))
-        for name, (a, g) in layer_dims.items())
     per_rank: list[dict[str, int]] = []
     for rank in range(grid.world_size):
         held = factor_numel if not owned_factors else sum(
@@ -236,8 +228,8 @@ def estimate_memory(
                 received += blocks * lp.a_dim * lp.g_dim + 1
         if owned_factors:  # batch factors wait for their reduce between backward and step()
             buffers = factor_numel + received if grid.world_size > 1 else factor_numel
-        else:  # folded: the running factors' bucket copies wait for their allreduce
-            buffers = sent_numel + received if grid.world_size > 1 else 0
+        else:  # folded where computed, averaged in place by the end of the backward pass
+            buffers = received
         entry = {
             "factors": held * itemsize,
             "decompositions": decomp * inv_size,

@@ -24,7 +24,11 @@ import torch
 
 from kaisa.distributed.stats import CommStats
 
-__all__ = ["CommHandle", "Communicator", "DoneHandle"]
+__all__ = ["IN_PLACE_BUCKETS_IN_FLIGHT", "CommHandle", "Communicator", "DoneHandle"]
+
+#: Buckets of in-place allreduces (:meth:`Communicator.allreduce_mean_`) in flight at once:
+#: their copies are what the running factors' averaging holds beyond the factors.
+IN_PLACE_BUCKETS_IN_FLIGHT = 2
 
 
 @runtime_checkable
@@ -82,6 +86,31 @@ class Communicator(abc.ABC):
         """
         world = tuple(range(self.world_size))
         return self._collective("allreduce", tensor, world, -1, symmetric, kind)
+
+    def allreduce_mean_(
+        self, tensor: torch.Tensor, *, symmetric: bool = False, kind: str = "factors"
+    ) -> CommHandle:
+        """Averages ``tensor`` over all ranks in place (asynchronously, fused).
+
+        The average is written into ``tensor`` itself when the collective is waited on. A
+        tensor alone in its bucket (larger than the bucket capacity), contiguous and sent
+        whole, is reduced where it is, with no copy; the others travel in a bucket copy
+        that lives until the collective is waited on. At most
+        :data:`IN_PLACE_BUCKETS_IN_FLIGHT` such buckets are in flight: launching another
+        first waits for the oldest (on a GPU a stream dependency, not a host wait).
+
+        Args:
+            tensor: Local contribution and destination; it must not be read or modified
+                before the handle is waited on.
+            symmetric: Send only the upper triangle of the ``(..., n, n)`` tensor (the
+                lower one is rebuilt from it).
+            kind: Counter key for :attr:`stats`.
+
+        Returns:
+            A handle whose ``wait()`` returns ``tensor``, now the average.
+        """
+        world = tuple(range(self.world_size))
+        return self._collective("allreduce_", tensor, world, -1, symmetric, kind)
 
     def reduce_mean(
         self, tensor: torch.Tensor, dst: int, *, symmetric: bool = False, kind: str = "factors"
@@ -183,7 +212,7 @@ class Communicator(abc.ABC):
         """Starts a checked collective.
 
         Args:
-            op: ``'allreduce'``, ``'reduce'`` or ``'broadcast'``.
+            op: ``'allreduce'``, ``'allreduce_'`` (in place), ``'reduce'`` or ``'broadcast'``.
             tensor: As the public method's.
             group: The sorted ranks taking part (every rank but for a broadcast).
             src: The reduce's destination or the broadcast's source; -1 for an allreduce.

@@ -20,7 +20,12 @@ import torch.distributed as dist
 
 from kaisa.distributed.local import LocalCommunicator
 from kaisa.distributed.packing import pack_symmetric, packed_numel, unpack_symmetric
-from kaisa.distributed.protocol import CommHandle, Communicator, DoneHandle
+from kaisa.distributed.protocol import (
+    IN_PLACE_BUCKETS_IN_FLIGHT,
+    CommHandle,
+    Communicator,
+    DoneHandle,
+)
 from kaisa.distributed.stats import CommStats
 
 __all__ = ["TorchDistCommunicator", "make_communicator"]
@@ -81,6 +86,16 @@ class _Bucket:
                 e.tensor = None
         return flat
 
+    def _view(self) -> torch.Tensor | None:
+        """The one entry itself, flat, when it can be sent where it is (no copy)."""
+        if len(self.entries) != 1:
+            return None
+        e = self.entries[0]
+        t = e.tensor
+        if t is None or e.symmetric or not t.is_contiguous():
+            return None
+        return t.view(-1)
+
     def launch(self) -> None:
         if self.launched:
             return
@@ -89,6 +104,12 @@ class _Bucket:
         pg = comm._group_handle(self.group)
         if self.op == "allreduce":
             self.flat = self._pack(release=True)
+            comm.stats.add_sent(self.kind, self.nbytes)
+            self.work = dist.all_reduce(self.flat, group=pg, async_op=True)
+        elif self.op == "allreduce_":  # in place: the entries stay, results written back
+            comm._in_flight(self)
+            view = self._view()
+            self.flat = view if view is not None else self._pack()
             comm.stats.add_sent(self.kind, self.nbytes)
             self.work = dist.all_reduce(self.flat, group=pg, async_op=True)
         elif self.op == "reduce":  # src: the destination
@@ -126,12 +147,22 @@ class _Bucket:
         assert flat is not None
         # A reduce's sum arrives on its destination only; elsewhere an entry's result is
         # empty (its input was released when sent; the engine drops it).
-        reduced = self.op == "allreduce" or (self.op == "reduce" and self.comm.rank == self.src)
+        reduced = self.op in ("allreduce", "allreduce_") or (
+            self.op == "reduce" and self.comm.rank == self.src)
         if reduced:
             flat.div_(self.comm.world_size)
         for e in self.entries:
             chunk = flat[e.offset : e.offset + e.numel]
-            if self.op == "reduce" and not reduced:
+            if self.op == "allreduce_":
+                assert e.tensor is not None
+                if chunk.data_ptr() != e.tensor.data_ptr():  # a bucket copy: write back
+                    if e.symmetric:
+                        n = int(e.shape[-1])
+                        unpack_symmetric(chunk.view(*e.shape[:-2], -1), n, out=e.tensor)
+                    else:
+                        e.tensor.copy_(chunk.view(e.shape))
+                e.result = e.tensor
+            elif self.op == "reduce" and not reduced:
                 e.result = flat.new_empty(0)
             elif self.op != "broadcast":
                 if e.symmetric:
@@ -148,7 +179,7 @@ class _Bucket:
                     else:
                         e.tensor.copy_(chunk.view(e.shape))
                 e.result = e.tensor
-        if self.op != "allreduce":
+        if self.op != "allreduce":  # an allreduce's results are views of its flat buffer
             self.flat = None
         self.finished = True
         self.comm._forget(self)
@@ -231,6 +262,15 @@ class TorchDistCommunicator(Communicator):
             tuple[str, tuple[int, ...], int, torch.dtype, torch.device, str], _Bucket
         ] = {}
         self._pending: list[_Bucket] = []
+        # In-place allreduce buckets launched and not finished, oldest first.
+        self._in_place: list[_Bucket] = []
+
+    def _in_flight(self, bucket: _Bucket) -> None:
+        """Registers a launched in-place bucket, first finishing the oldest beyond the cap."""
+        self._in_place = [b for b in self._in_place if not b.finished]
+        while len(self._in_place) >= IN_PLACE_BUCKETS_IN_FLIGHT:
+            self._in_place.pop(0).finish()
+        self._in_place.append(bucket)
 
     def _new_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         kwargs = {} if self.timeout is None else {"timeout": self.timeout}

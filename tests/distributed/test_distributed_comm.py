@@ -191,6 +191,7 @@ def test_local_communicator_is_noop() -> None:
     assert isinstance(comm, LocalCommunicator)
     t = torch.randn(4, 4)
     assert comm.allreduce_mean(t, symmetric=True).wait() is t
+    assert comm.allreduce_mean_(t, symmetric=True).wait() is t
     assert comm.reduce_mean(t, 0, symmetric=True).wait() is t
     with pytest.raises(ValueError, match="reduce destination 1 is not a rank < 1"):
         comm.reduce_mean(t, 1)
@@ -285,7 +286,40 @@ def _comm_job(rank: int, world: int) -> dict[str, object]:
     with pytest.raises(ValueError, match="not registered"):
         comm.broadcast(torch.zeros(1), 0, [0, 3] if world == 4 else [0, 5])
     out["reduce_calls"] = _reduce_job(rank, world)
+    out["in_place"] = _in_place_job(rank, world)
     return out
+
+
+def _in_place_job(rank: int, world: int) -> list[int]:
+    """``allreduce_mean_``: the mean written into each input, at most two buckets in flight.
+
+    A contiguous tensor alone in its bucket (larger than the capacity) is reduced where it
+    is (no copy); the others (small ones fused, a symmetric one) are written back from the
+    bucket copy. Returns the in-flight counts seen after each call.
+    """
+    comm = TorchDistCommunicator(bucket_cap_mb=0.0005)  # 524 bytes: 65 float64 elements
+    tensors, refs, in_flight = [], [], []
+    for i, (n, symmetric) in enumerate([(3, True), (2, False), (12, False), (9, True),
+                                        (2, False), (3, False), (15, False)]):
+        gen = torch.Generator().manual_seed(100 * rank + i)
+        x = torch.randn(n + 2, n, generator=gen, dtype=torch.float64)
+        t = x.T @ x
+        ref = t.clone()
+        torch.distributed.all_reduce(ref)
+        tensors.append((t, t.data_ptr(), comm.allreduce_mean_(t, symmetric=symmetric)))
+        refs.append(ref / world)
+        in_flight.append(len([b for b in comm._in_place if not b.finished]))
+    comm.flush()
+    in_flight.append(len([b for b in comm._in_place if not b.finished]))
+    alone = [b for b in comm._in_place if len(b.entries) == 1 and not b.entries[0].symmetric]
+    assert alone and all(b.flat is not None and b.entries[0].tensor is not None and
+                         b.flat.data_ptr() == b.entries[0].tensor.data_ptr() for b in alone)
+    for (t, ptr, handle), ref in zip(tensors, refs, strict=True):
+        assert handle.wait() is t and t.data_ptr() == ptr  # in place
+        torch.testing.assert_close(t, ref, rtol=1e-12, atol=1e-12)
+    comm.wait_all()
+    assert not [b for b in comm._in_place if not b.finished]
+    return in_flight
 
 
 def _reduce_job(rank: int, world: int) -> int:
@@ -324,3 +358,4 @@ def test_torch_dist_communicator(world: int) -> None:
     assert r0["calls_25.0"] == 2  # one bucket per dtype
     assert 2 < r0["calls_0.0005"] < 7
     assert all(r["reduce_calls"] == world for r in results)  # one bucket per destination
+    assert max(max(r["in_place"]) for r in results) == 2  # never more than two in flight
