@@ -8,9 +8,9 @@ block's batch factors are reduced (averaged) only to the ranks that decompose th
 (``reduce``, fused into one bucket per destination), which alone keep its running
 factors, so each rank's factor memory is about ``1/world`` of the total; diagonal blocks
 (not placed, preconditioned on every rank) fold and are averaged on every rank.
-:class:`FactorAverages` starts these collectives as layers finish their backward pass,
-waits for the running factors' at the end of the backward pass and for the rest at
-``step()``; :class:`~kaisa.distributed.DistributedEngine` delegates to it.
+:class:`FactorAverages` starts these collectives as layers finish their backward pass
+and waits for them at its end; :class:`~kaisa.distributed.DistributedEngine` delegates to
+it.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class FactorAverages:
         self._running: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
         # Reduces to other ranks that this rank contributes to (waited, results dropped).
         self._contributions: list[CommHandle] = []
+        # What the step's collectives gave, waited for at the end of the backward pass.
+        self._averaged: dict[str, _Pair] = {}
+        self._folded: dict[str, _Pair] = {}
 
     def holders(self, name: str) -> tuple[int, ...]:
         """The ranks that keep block ``name``'s running factors.
@@ -124,23 +127,31 @@ class FactorAverages:
         return mine
 
     def backward_end(self) -> None:
-        """Starts every remaining factor collective and launches all buckets.
+        """Starts every remaining factor collective, launches all buckets, waits for them.
 
-        Then waits for the running factors' averages (in place): nothing of them is held
-        beyond the factors after the backward pass (on a GPU a stream dependency, not a
-        host wait; ``step()`` would wait for them first).
+        After the backward pass nothing of the step's collectives is held beyond their
+        results: the running factors averaged in place, and the batch factors this rank
+        keeps (under FSDP2 those of the blocks it holds). On a GPU the wait is a stream
+        dependency, not a host wait; on the CPU ``step()`` would wait for them first.
         """
         for layer in self._layers.values():
             self.layer_done(layer)
         self._comm.flush()
         with self._waiting():
-            for handles in self._running.values():
-                for handle in handles:
-                    if handle is not None:
-                        handle.wait()
+            for name, (ha, hg) in self._pending.items():
+                self._averaged[name] = (None if ha is None else ha.wait(),
+                                        None if hg is None else hg.wait())
+            for name, (ha, hg) in self._running.items():
+                self._folded[name] = (None if ha is None else ha.wait(),
+                                      None if hg is None else hg.wait())
+            for handle in self._contributions:
+                handle.wait()
+        self._pending.clear()
+        self._running.clear()
+        self._contributions.clear()
 
     def wait(self) -> tuple[dict[str, _Pair], dict[str, _Pair]]:
-        """Waits for every started factor collective.
+        """Waits for every started factor collective (:meth:`backward_end`).
 
         Every rank that keeps a block's running factors (:meth:`holders`) gets the same
         averaged factors, so they stay identical there.
@@ -152,18 +163,8 @@ class FactorAverages:
             (``None`` for a side not folded).
         """
         self.backward_end()
-        with self._waiting():
-            averaged = {
-                name: (None if ha is None else ha.wait(), None if hg is None else hg.wait())
-                for name, (ha, hg) in self._pending.items()
-            }
-            running = {
-                name: (None if ha is None else ha.wait(), None if hg is None else hg.wait())
-                for name, (ha, hg) in self._running.items()
-            }
-            for handle in self._contributions:
-                handle.wait()
-        self.drop()
+        averaged, running = self._averaged, self._folded
+        self._averaged, self._folded = {}, {}
         return averaged, running
 
     def drop(self) -> None:
@@ -171,3 +172,5 @@ class FactorAverages:
         self._pending.clear()
         self._running.clear()
         self._contributions.clear()
+        self._averaged.clear()
+        self._folded.clear()

@@ -13,8 +13,10 @@ The model counts, for every rank, the bytes of
   computed, ``docs/conventions.md``, and the running factors are averaged in place by the
   end of the backward pass; during it at most two buckets' copies are in flight,
   ``allreduce_bucket_cap_mb`` each, none for a factor alone in its bucket); under FSDP2 the
-  batch factors, reduced to their owners in ``step()``. Plus one gradient-sized receive
-  buffer per layer whose preconditioned gradient the rank receives by broadcast.
+  batch factors of the blocks the rank holds, reduced to it by the end of the backward pass
+  and folded in ``step()`` (the other ranks' contributions are let go when sent, at most two
+  buckets in flight). Plus one gradient-sized receive buffer per layer whose
+  preconditioned gradient the rank receives by broadcast.
 
 The decomposition bytes follow the placement computed by
 :func:`kaisa.distributed.placement.place_layers`, so the estimate is per rank
@@ -226,10 +228,9 @@ def estimate_memory(
             else:
                 # Received preconditioned gradient plus its validity flag.
                 received += blocks * lp.a_dim * lp.g_dim + 1
-        if owned_factors:  # batch factors wait for their reduce between backward and step()
-            buffers = factor_numel + received if grid.world_size > 1 else factor_numel
-        else:  # folded where computed, averaged in place by the end of the backward pass
-            buffers = received
+        # Under FSDP2 the reduced batch factors of the held blocks, kept for step(); else
+        # nothing: folded where computed, averaged in place by the end of the backward pass.
+        buffers = held + received if owned_factors else received
         entry = {
             "factors": held * itemsize,
             "decompositions": decomp * inv_size,

@@ -26,8 +26,9 @@ from kaisa.distributed.stats import CommStats
 
 __all__ = ["IN_PLACE_BUCKETS_IN_FLIGHT", "CommHandle", "Communicator", "DoneHandle"]
 
-#: Buckets of in-place allreduces (:meth:`Communicator.allreduce_mean_`) in flight at once:
-#: their copies are what the running factors' averaging holds beyond the factors.
+#: Buckets of in-place allreduces (:meth:`Communicator.allreduce_mean_`) and of reduces
+#: (:meth:`Communicator.reduce_mean`) in flight at once: their copies are what the factors'
+#: averaging holds beyond the factors during the backward pass.
 IN_PLACE_BUCKETS_IN_FLIGHT = 2
 
 
@@ -117,7 +118,9 @@ class Communicator(abc.ABC):
     ) -> CommHandle:
         """Averages ``tensor`` over all ranks onto rank ``dst`` only (asynchronously, fused).
 
-        Every rank contributes; buckets are grouped by destination.
+        Every rank contributes; buckets are grouped by destination. At most
+        :data:`IN_PLACE_BUCKETS_IN_FLIGHT` of them (with the in-place allreduces) are in
+        flight: launching another first waits for the oldest.
 
         Args:
             tensor: Local contribution; it must not be modified before the

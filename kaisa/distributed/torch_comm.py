@@ -113,6 +113,7 @@ class _Bucket:
             comm.stats.add_sent(self.kind, self.nbytes)
             self.work = dist.all_reduce(self.flat, group=pg, async_op=True)
         elif self.op == "reduce":  # src: the destination
+            comm._in_flight(self)  # the contributions' copies: two buckets at most
             self.flat = self._pack(release=True)
             comm.stats.add_sent(self.kind, self.nbytes)
             self.work = dist.reduce(self.flat, dst=self.src, group=pg, async_op=True)
@@ -262,11 +263,11 @@ class TorchDistCommunicator(Communicator):
             tuple[str, tuple[int, ...], int, torch.dtype, torch.device, str], _Bucket
         ] = {}
         self._pending: list[_Bucket] = []
-        # In-place allreduce buckets launched and not finished, oldest first.
+        # In-place allreduce and reduce buckets launched and not finished, oldest first.
         self._in_place: list[_Bucket] = []
 
     def _in_flight(self, bucket: _Bucket) -> None:
-        """Registers a launched in-place bucket, first finishing the oldest beyond the cap."""
+        """Registers a launched bucket whose copies are capped, finishing the oldest first."""
         self._in_place = [b for b in self._in_place if not b.finished]
         while len(self._in_place) >= IN_PLACE_BUCKETS_IN_FLIGHT:
             self._in_place.pop(0).finish()
