@@ -101,13 +101,25 @@ def _measure(pre: Any, model: nn.Module) -> dict[str, float]:
     return out
 
 
-def _run(model_name: str, fraction: Fraction, rank: int, world: int) -> dict[str, Any]:
+def _shard(model: nn.Module) -> None:
+    """FSDP2: ``fully_shard`` on every residual block, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in [m for m in model.modules() if type(m).__name__ in ("BasicBlock", "Bottleneck")]:
+        fully_shard(module)
+    fully_shard(model)
+
+
+def _run(model_name: str, fraction: Fraction, rank: int, world: int,
+         fsdp: bool = False) -> dict[str, Any]:
     import kaisa
     from kaisa.train import models
 
     torch.manual_seed(0)
     model = models.resnet20(num_classes=10) if model_name == "resnet20" else models.resnet50()
     classes = 10 if model_name == "resnet20" else 1000
+    if fsdp:
+        _shard(model)
     pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10**6,
                                    grad_worker_fraction=float(fraction))
     gen = torch.Generator().manual_seed(100 + rank)
@@ -127,13 +139,13 @@ def _run(model_name: str, fraction: Fraction, rank: int, world: int) -> dict[str
 
 
 def _worker(rank: int, world: int, port: int, model_name: str, fractions: list[str],
-            out_dir: str) -> None:
+            fsdp: bool, out_dir: str) -> None:
     warnings.simplefilter("ignore")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=1800))
-    rows = [_run(model_name, Fraction(f), rank, world) for f in fractions]
+    rows = [_run(model_name, Fraction(f), rank, world, fsdp) for f in fractions]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -147,14 +159,16 @@ def _spawnable_worker() -> Any:
     return importlib.import_module("factor_memory")._worker
 
 
-def run_world(world: int, model_name: str, timeout: float) -> list[dict[str, Any]]:
+def run_world(world: int, model_name: str, timeout: float,
+              fsdp: bool = False) -> list[dict[str, Any]]:
     """Every valid fraction of ``world`` ranks: per fraction, every rank's measurements."""
     from kaisa.distributed.strategy import valid_fractions
 
     fractions = [str(f) for f in valid_fractions(world)]
-    per_rank = ranks.spawn_ranks(_spawnable_worker(), world, (model_name, fractions), timeout)
-    return [{"world": world, "fraction": f, "ranks": [per_rank[r][i] for r in range(world)]}
-            for i, f in enumerate(fractions)]
+    per_rank = ranks.spawn_ranks(_spawnable_worker(), world, (model_name, fractions, fsdp),
+                                 timeout)
+    return [{"world": world, "fraction": f, "fsdp": fsdp,
+             "ranks": [per_rank[r][i] for r in range(world)]} for i, f in enumerate(fractions)]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -164,8 +178,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         top = max(row["ranks"], key=lambda r: r["peak"]["held_mb"])
         model = top["model"]
+        ranks_label = f"{row['world']}{' FSDP2' if row.get('fsdp') else ''}"
         lines.append(
-            f"| {row['world']} | {row['fraction']} | {top['peak']['held_mb']:.0f} | "
+            f"| {ranks_label} | {row['fraction']} | {top['peak']['held_mb']:.0f} | "
             f"{top['peak']['batch_mb']:.0f} | {top['between']['held_mb']:.0f} | "
             f"{model['total']:.0f} | {model['buffers']:.0f} | "
             f"{top['peak']['held_mb'] / model['total']:.3f} |")
@@ -176,20 +191,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measures every world size of ``--worlds``; writes the JSON and prints the table."""
     p = harness.parser(__doc__, harness.RESULTS / "factor_memory.json")
     p.add_argument("--worlds", default="1,2,4")
-    p.add_argument("--smoke", action="store_true", help="ResNet-20 (CIFAR), 1 and 2 ranks")
+    p.add_argument("--fsdp-worlds", default="2,4",
+                   help="world sizes also measured under FSDP2 (fully_shard per block)")
+    p.add_argument("--smoke", action="store_true",
+                   help="ResNet-20 (CIFAR), 1 and 2 ranks, and 2 under FSDP2")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per world size")
     args = p.parse_args(argv)
     model_name = "resnet20" if args.smoke else "resnet50"
-    worlds = [1, 2] if args.smoke else [int(w) for w in args.worlds.split(",")]
+    worlds = [(1, False), (2, False), (2, True)] if args.smoke else [
+        (int(w), False) for w in args.worlds.split(",")] + [
+        (int(w), True) for w in args.fsdp_worlds.split(",") if w]
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
-    for w in worlds:  # written after each world size: a run cut short keeps what it has
+    for w, fsdp in worlds:  # written after each world size: a run cut short keeps what it has
         try:
-            rows += run_world(w, model_name, args.timeout)
+            rows += run_world(w, model_name, args.timeout, fsdp)
         except (RuntimeError, TimeoutError) as err:  # e.g. a rank killed for memory
             if args.smoke:
                 raise
-            errors[str(w)] = str(err)
+            errors[f"{w}{' fsdp' if fsdp else ''}"] = str(err)
         harness.write(args.out, "factor_memory",
                       {"model": model_name, "rows": rows, "errors": errors},
                       argv=argv, script="bench/distributed/factor_memory.py")

@@ -268,7 +268,6 @@ class TorchDistCommunicator(Communicator):
 
     def _in_flight(self, bucket: _Bucket) -> None:
         """Registers a launched bucket whose copies are capped, finishing the oldest first."""
-        self._in_place = [b for b in self._in_place if not b.finished]
         while len(self._in_place) >= IN_PLACE_BUCKETS_IN_FLIGHT:
             self._in_place.pop(0).finish()
         self._in_place.append(bucket)
@@ -293,8 +292,11 @@ class TorchDistCommunicator(Communicator):
             ) from None
 
     def _forget(self, bucket: _Bucket) -> None:
+        """Lets go of a finished bucket (its results live as long as their users keep them)."""
         with contextlib.suppress(ValueError):
             self._pending.remove(bucket)
+        with contextlib.suppress(ValueError):
+            self._in_place.remove(bucket)
 
     def _collective(self, op: str, tensor: torch.Tensor, group: tuple[int, ...], src: int,
                     symmetric: bool, kind: str) -> CommHandle:
