@@ -8,6 +8,7 @@ from __future__ import annotations
 from kaisa.utils.enums import AssignmentStrategy as AssignmentStrategy
 from kaisa.utils.enums import ComputeMethod as ComputeMethod
 from kaisa.utils.enums import DistributedStrategy as DistributedStrategy
+from kaisa.utils.enums import FactorStorage as FactorStorage
 from kaisa.utils.enums import KFACApprox as KFACApprox
 from kaisa.utils.enums import LossKind as LossKind
 from kaisa.utils.enums import Reduction as Reduction

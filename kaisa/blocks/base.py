@@ -181,13 +181,19 @@ class CurvatureBlock:
     # ------------------------------------------------------------------ public views
     @property
     def a(self) -> torch.Tensor | None:
-        """Running A factors ``(groups, n, n)`` (``(groups, n)`` when diagonal)."""
-        return self.factors.a
+        """Running A factors ``(groups, n, n)`` (``(groups, n)`` when diagonal).
+
+        Packed factors (``factor_storage='packed'``) are unpacked: a new tensor each read.
+        """
+        return self.factors.dense(Side.A)
 
     @property
     def g(self) -> torch.Tensor | None:
-        """Running G factors ``(groups, m, m)`` (``(groups, m)`` when diagonal)."""
-        return self.factors.g
+        """Running G factors ``(groups, m, m)`` (``(groups, m)`` when diagonal).
+
+        Packed factors (``factor_storage='packed'``) are unpacked: a new tensor each read.
+        """
+        return self.factors.dense(Side.G)
 
     @property
     def a_factor(self) -> torch.Tensor | None:
@@ -195,7 +201,7 @@ class CurvatureBlock:
 
         A diagonal factor is its diagonal: ``(n,)``, or ``(groups, n)``.
         """
-        return self._view(self.factors.a)
+        return self._view(self.a)
 
     @property
     def g_factor(self) -> torch.Tensor | None:
@@ -203,7 +209,7 @@ class CurvatureBlock:
 
         A diagonal factor is its diagonal: ``(m,)``, or ``(groups, m)``.
         """
-        return self._view(self.factors.g)
+        return self._view(self.g)
 
     def _view(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self.groups > 1:
@@ -377,7 +383,7 @@ class CurvatureBlock:
         """Running factors, skip counts and the decomposition state, as tensors."""
         f = self.factors
         state: dict[str, Any] = {
-            "A": f.a, "G": f.g, "skipped_a": f.skipped_a, "skipped_g": f.skipped_g,
+            "A": self.a, "G": self.g, "skipped_a": f.skipped_a, "skipped_g": f.skipped_g,
         }
         state.update(self.decomposition)
         return state
@@ -432,8 +438,12 @@ class CurvatureBlock:
             t = state.get(key)
             return None if t is None else t.to(device).clone()
 
-        self.factors = RunningFactors(get("A"), get("G"), get("skipped_a"), get("skipped_g"),
-                                      diagonal_sides=self.diagonal_sides)
+        packed = self.factors.packed
+        self.factors = RunningFactors(None, None, get("skipped_a"), get("skipped_g"),
+                                      diagonal_sides=self.diagonal_sides, packed=packed)
+        a, g = get("A"), get("G")
+        self.factors.a = None if a is None else self.factors.stored(Side.A, a)
+        self.factors.g = None if g is None else self.factors.stored(Side.G, g)
         self.decomposition = {
             key: t.to(device).clone()
             for key, t in state.items()

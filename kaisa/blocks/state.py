@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ import torch
 from kaisa import ops
 from kaisa.utils.enums import KFACApprox, Side
 from kaisa.utils.finite import all_finite, finite_each
+from kaisa.utils.packing import pack_symmetric, unpack_symmetric
 
 __all__ = [
     "LARGE_FACTOR_DIM", "BatchStatistics", "BlockOptions", "RunningFactors", "fold_step",
@@ -131,6 +133,28 @@ class RunningFactors:
     #: (:meth:`fold_micro`; not part of a checkpoint).
     stamp_a: torch.Tensor | None = None
     stamp_g: torch.Tensor | None = None
+    #: Dense sides kept as their upper triangles ``(groups, n(n+1)/2)``
+    #: (``factor_storage='packed'``); :meth:`dense` unpacks them.
+    packed: bool = False
+
+    def is_packed(self, side: Side) -> bool:
+        """Whether ``side`` is kept as upper triangles."""
+        return self.packed and side not in self.diagonal_sides
+
+    def stored(self, side: Side, factor: torch.Tensor) -> torch.Tensor:
+        """``factor`` (``(groups, n, n)``, or a diagonal) in the layout ``side`` is kept in."""
+        return pack_symmetric(factor) if self.is_packed(side) else factor
+
+    def dense(self, side: Side) -> torch.Tensor | None:
+        """The running factor of ``side`` as ``(groups, n, n)`` (unpacked: a new tensor).
+
+        A diagonal side is its ``(groups, n)`` diagonal.
+        """
+        t = self.a if side is Side.A else self.g
+        if t is None or not self.is_packed(side):
+            return t
+        n = (math.isqrt(8 * t.shape[-1] + 1) - 1) // 2
+        return unpack_symmetric(t, n)
 
     def fold(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, rho: float,
              *, zero_start: bool = False) -> None:
@@ -141,11 +165,15 @@ class RunningFactors:
         """
         diagonal = self.diagonal_sides
         if a_batch is not None:
-            self.a, self.skipped_a = _fold(self.a, a_batch, rho, self.skipped_a,
-                                           Side.A in diagonal, zero_start)
+            start = self.a if self.a is not None else self.stored(
+                Side.A, _initial(a_batch, Side.A in diagonal, zero_start))
+            self.a, self.skipped_a = _fold(start, self.stored(Side.A, a_batch), rho,
+                                           self.skipped_a)
         if g_batch is not None:
-            self.g, self.skipped_g = _fold(self.g, g_batch, rho, self.skipped_g,
-                                           Side.G in diagonal, zero_start)
+            start = self.g if self.g is not None else self.stored(
+                Side.G, _initial(g_batch, Side.G in diagonal, zero_start))
+            self.g, self.skipped_g = _fold(start, self.stored(Side.G, g_batch), rho,
+                                           self.skipped_g)
 
     def fold_micro(self, side: Side, batch: torch.Tensor, *, rho: float, weight: float,
                    round_: int, zero_start: bool = False) -> None:
@@ -162,9 +190,10 @@ class RunningFactors:
         running = self.a if side is Side.A else self.g
         skipped = self.skipped_a if side is Side.A else self.skipped_g
         stamp = self.stamp_a if side is Side.A else self.stamp_g
+        dense, batch = batch, self.stored(side, batch)
         if (running is None or running.shape != batch.shape or running.dtype != batch.dtype
                 or running.device != batch.device):
-            running = _initial(batch, side in self.diagonal_sides, zero_start)
+            running = self.stored(side, _initial(dense, side in self.diagonal_sides, zero_start))
         if skipped is None:
             skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
         if stamp is None or stamp.device != batch.device:
@@ -212,14 +241,15 @@ def fold_all(
     """
     slots: dict[tuple[torch.device, torch.dtype], list[_Slot]] = {}
     for factors, a_batch, g_batch in items:
-        for side, batch in ((Side.A, a_batch), (Side.G, g_batch)):
-            if batch is None:
+        for side, dense in ((Side.A, a_batch), (Side.G, g_batch)):
+            if dense is None:
                 continue
+            batch = factors.stored(side, dense)
             running = factors.a if side is Side.A else factors.g
             skipped = factors.skipped_a if side is Side.A else factors.skipped_g
             if (running is None or skipped is None or running.shape != batch.shape
                     or running.dtype != batch.dtype or running.device != batch.device):
-                a, g = (batch, None) if side is Side.A else (None, batch)
+                a, g = (dense, None) if side is Side.A else (None, dense)
                 factors.fold(a, g, rho, zero_start=zero_start)
                 continue
             slots.setdefault((batch.device, batch.dtype), []).append((factors, side, running,
@@ -303,15 +333,8 @@ def _initial(batch: torch.Tensor, diagonal: bool, zero_start: bool) -> torch.Ten
 
 
 def _fold(
-    running: torch.Tensor | None,
-    batch: torch.Tensor,
-    rho: float,
-    skipped: torch.Tensor | None,
-    diagonal: bool = False,
-    zero_start: bool = False,
+    running: torch.Tensor, batch: torch.Tensor, rho: float, skipped: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if running is None:
-        running = _initial(batch, diagonal, zero_start)
     if skipped is None:
         skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
     finite = all_finite(batch)

@@ -25,6 +25,7 @@ from kaisa.utils.enums import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    FactorStorage,
     KFACApprox,
     parse_enum,
     parse_grad_worker_fraction,
@@ -91,6 +92,8 @@ class KFACConfig:
             :meth:`~kaisa.KFACPreconditioner.step`).
         kfac_approx: Linear blocks on sequences: ``'expand'`` (every position a row, the
             default) or ``'reduce'`` (one row per example; Eschenhagen et al., 2023).
+        factor_storage: ``'dense'`` running factors, or ``'packed'``: their upper triangles,
+            about half the bytes (``docs/conventions.md``, "Packed factors").
         layer_kinds: The block kinds to register: kfac-pytorch's ``('linear', 'conv2d')``
             by default (the reference's math), ``'all'`` for every kind (adds
             ``'conv1d'``, ``'embedding'``, ``'scale_shift'``: LayerNorm, RMSNorm, BatchNorm affine,
@@ -141,6 +144,7 @@ class KFACConfig:
     skip_layers: tuple[str, ...] = ()
     update_factors_in_hook: bool = True
     kfac_approx: KFACApprox = KFACApprox.EXPAND
+    factor_storage: FactorStorage = FactorStorage.DENSE
     layer_kinds: str | tuple[str, ...] = REFERENCE_KINDS
     cross_attention: str | tuple[str, ...] | None = None
     loglevel: int = logging.DEBUG
@@ -173,6 +177,8 @@ class KFACConfig:
         set_(self, "compute_method",
              parse_enum(ComputeMethod, self.compute_method, "compute_method"))
         set_(self, "kfac_approx", parse_enum(KFACApprox, self.kfac_approx, "kfac_approx"))
+        set_(self, "factor_storage",
+             parse_enum(FactorStorage, self.factor_storage, "factor_storage"))
         set_(self, "layer_kinds", _parse_layer_kinds(self.layer_kinds))
         set_(self, "assignment_strategy",
              parse_enum(AssignmentStrategy, self.assignment_strategy, "assignment_strategy"))
@@ -264,8 +270,10 @@ class KFACConfig:
             weight_dtype: The model's parameter dtype (the factors' when
                 ``factor_dtype`` is ``None``: at least float32).
         """
-        shared = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        shared = {f.name: getattr(self, f.name) for f in fields(EngineConfig)
+                  if f.name != "packed_factors"}
         shared["factor_dtype"] = self.factor_dtype or working_dtype(weight_dtype)
+        shared["packed_factors"] = self.factor_storage is FactorStorage.PACKED
         return EngineConfig(**shared)
 
 

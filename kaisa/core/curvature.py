@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from fractions import Fraction
 from typing import Any
@@ -56,6 +56,7 @@ from kaisa.distributed.fsdp import rounds
 from kaisa.distributed.gather import gather_decompositions, gather_factors
 from kaisa.distributed.memory import large_factor_message
 from kaisa.methods import SecondOrderMethod, make_method
+from kaisa.utils.enums import FactorStorage
 from kaisa.utils.profiling import timed
 
 __all__ = ["FIRST_ORDER", "TIMING_KEYS", "KFACCurvature"]
@@ -124,6 +125,7 @@ class KFACCurvature:
                 "skip_layers)"
             )
         self._blocks = blocks
+        _keep_packed(blocks.values(), config)
         self._inv_dtype = config.inv_dtype
         self._method = method or make_method(
             config.compute_method, outer_product=config.compute_eigenvalue_outer_product
@@ -185,7 +187,7 @@ class KFACCurvature:
                    for i, name in enumerate(("query", "key", "value")))
         if q is k and k is v:
             return
-        if any(b.a is not None or b.g is not None for b in self._blocks.values()):
+        if any(b.factors.a is not None or b.factors.g is not None for b in self._blocks.values()):
             return  # factors exist: keep the layout (the tap warns about such calls)
         self._relayout(module)
 
@@ -206,6 +208,7 @@ class KFACCurvature:
                 blocks[name] = block
             elif not blocks.keys() & new.keys():
                 blocks.update(new)
+        _keep_packed(new.values(), config)
         for block in new.values():
             if not block.diagonal:
                 block.method = self._method
@@ -576,7 +579,7 @@ class KFACCurvature:
             if not self._engine.holds_factors(name):  # FSDP2: on their owners only
                 block.factors = RunningFactors(diagonal_sides=block.diagonal_sides)
         need = any(
-            (b.a is not None or not self._engine.holds_factors(name))
+            (b.factors.a is not None or not self._engine.holds_factors(name))
             and not b.has_decomposition() and self.is_grad_worker(name)
             for name, b in self._blocks.items()
         )
@@ -611,7 +614,8 @@ class KFACCurvature:
 
     def _warn_silent_blocks(self) -> None:
         for name, block in self._blocks.items():
-            if (block.a is None and block.g is None and name not in self._warned_silent
+            if (block.factors.a is None and block.factors.g is None
+                    and name not in self._warned_silent
                     and self._engine.holds_factors(name)):  # FSDP2: the others hold none
                 self._warned_silent.add(name)
                 msg = (
@@ -622,6 +626,13 @@ class KFACCurvature:
                 )
                 warnings.warn(msg, RuntimeWarning, stacklevel=5)
                 logger.warning(msg)
+
+
+def _keep_packed(blocks: Iterable[CurvatureBlock], config: KFACConfig) -> None:
+    """Kronecker blocks keep their dense factors packed with ``factor_storage='packed'``."""
+    for block in blocks:
+        block.factors.packed = (config.factor_storage is FactorStorage.PACKED
+                                and not block.diagonal)
 
 
 def _weight_dtype(blocks: Mapping[str, CurvatureBlock]) -> torch.dtype:

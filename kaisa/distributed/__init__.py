@@ -21,7 +21,6 @@ from kaisa.distributed.memory import (
     estimate_memory,
     factor_sizes,
 )
-from kaisa.distributed.packing import pack_symmetric, packed_numel, unpack_symmetric
 from kaisa.distributed.placement import LayerPlacement, Placement, factor_cost, place_layers
 from kaisa.distributed.protocol import CommHandle, Communicator
 from kaisa.distributed.stats import CommStats
@@ -34,6 +33,7 @@ from kaisa.distributed.strategy import (
     valid_fractions,
 )
 from kaisa.distributed.torch_comm import TorchDistCommunicator, make_communicator
+from kaisa.utils.packing import pack_symmetric, packed_numel, unpack_symmetric
 
 __all__ = [
     "BlockRule",

@@ -67,6 +67,9 @@ class FactorAverages:
         # What the step's collectives gave, waited for at the end of the backward pass.
         self._averaged: dict[str, _Pair] = {}
         self._folded: dict[str, _Pair] = {}
+        # Blocks whose batch factors were sent in this step (once a step: a kind may keep
+        # what it recorded until it is combined).
+        self._sent: set[str] = set()
 
     def holders(self, name: str) -> tuple[int, ...]:
         """The ranks that keep block ``name``'s running factors.
@@ -91,15 +94,18 @@ class FactorAverages:
         folded = layer.stats.folded
         if folded and layer.name not in self._running:
             f, comm = layer.factors, self._comm
+            # A packed factor travels as it is kept: its triangles.
+            run_a, run_g = sym_a and not f.is_packed(Side.A), sym_g and not f.is_packed(Side.G)
             self._running[layer.name] = (
-                comm.allreduce_mean_(f.a, symmetric=sym_a) if Side.A in folded and f.a is not None
+                comm.allreduce_mean_(f.a, symmetric=run_a) if Side.A in folded and f.a is not None
                 else None,
-                comm.allreduce_mean_(f.g, symmetric=sym_g) if Side.G in folded and f.g is not None
+                comm.allreduce_mean_(f.g, symmetric=run_g) if Side.G in folded and f.g is not None
                 else None,
             )
             folded.clear()
-        if layer.name in self._pending or not layer.stats.has_factors:
+        if layer.name in self._sent or not layer.stats.has_factors:
             return
+        self._sent.add(layer.name)
         a_batch, g_batch = layer.stats.take()
         holders = self.holders(layer.name)
         if len(holders) == self._comm.world_size:
@@ -165,6 +171,7 @@ class FactorAverages:
         self.backward_end()
         averaged, running = self._averaged, self._folded
         self._averaged, self._folded = {}, {}
+        self._sent.clear()
         return averaged, running
 
     def drop(self) -> None:
@@ -174,3 +181,4 @@ class FactorAverages:
         self._contributions.clear()
         self._averaged.clear()
         self._folded.clear()
+        self._sent.clear()

@@ -64,8 +64,10 @@ class EngineConfig(DistributedConfig):
         factor_dtype: The factors' dtype (resolved, for the memory model).
         inv_dtype: The decompositions' dtype (payloads are sent in it).
         loglevel: Logging level of the placement report.
+        packed_factors: Running factors kept as upper triangles (for the memory model).
     """
 
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
     loglevel: int = logging.DEBUG
+    packed_factors: bool = False

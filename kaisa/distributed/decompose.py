@@ -17,10 +17,10 @@ import torch
 
 from kaisa.blocks import CurvatureBlock
 from kaisa.distributed.config import EngineConfig
-from kaisa.distributed.packing import pack_symmetric, unpack_symmetric
 from kaisa.distributed.placement import Placement
 from kaisa.methods import Damping, Payload, SecondOrderMethod
 from kaisa.utils.enums import Side
+from kaisa.utils.packing import pack_symmetric, unpack_symmetric
 
 __all__ = ["FactorKey", "as_received", "decompose_assigned", "payload"]
 
@@ -55,10 +55,11 @@ def decompose_assigned(
     mine: list[tuple[CurvatureBlock, Side, Damping]] = []
     for la in layers:
         lp = placement[la.name]
-        if rank not in (lp.a_rank, lp.g_rank) or la.a is None or la.g is None:
+        if rank not in (lp.a_rank, lp.g_rank) or la.factors.a is None or la.factors.g is None:
             continue
-        damping_a, damping_g = method.factor_damping(
-            la.a, la.g, damping, diagonal=la.diagonal_sides)
+        a, g = la.a, la.g
+        assert a is not None and g is not None
+        damping_a, damping_g = method.factor_damping(a, g, damping, diagonal=la.diagonal_sides)
         if lp.a_rank == rank:
             mine.append((la, Side.A, damping_a))
         if lp.g_rank == rank:

@@ -114,6 +114,7 @@ class DistributedEngine:
             "inv_itemsize": config.inv_dtype.itemsize,
             "layer_groups": {name: layer.groups for name, layer in kron.items()},
             "diagonal_sides": {name: layer.diagonal_sides for name, layer in kron.items()},
+            "packed": config.packed_factors,
         }
         # Under FSDP2 / HSDP a Kronecker block's running factors live on the ranks that
         # decompose it only (its batch factors are reduced to them); else on every rank.
@@ -300,7 +301,8 @@ class DistributedEngine:
         if self._owned_factors:  # only the owners know whether a block has factors
             layers = [la for la in self._layers.values() if not la.diagonal]
         else:
-            layers = [la for la in self._layers.values() if la.a is not None and la.g is not None]
+            layers = [la for la in self._layers.values()
+                      if la.factors.a is not None and la.factors.g is not None]
         if not layers:
             return
         computed = decompose_assigned(

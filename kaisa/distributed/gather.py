@@ -118,7 +118,7 @@ def gather_factors(
         lp = engine.placement[name]
         for key, count, side in sides:
             src = lp.a_rank if side is Side.A else lp.g_rank
-            factor = block.a if side is Side.A else block.g
+            factor = block.factors.a if side is Side.A else block.factors.g
             code = 0 if factor is None else 1 + _DTYPES.index(factor.dtype)
             held = torch.tensor([float(code)], device=block.weight.device)
             flags.append((name, block, key, count, side, src,

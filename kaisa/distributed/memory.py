@@ -74,9 +74,9 @@ class FactorSize:
     diagonal: bool = False
 
 
-def _factor_numel(n: int, diagonal: bool) -> int:
-    """Elements of one running (or batch) factor block."""
-    return n if diagonal else n * n
+def _factor_numel(n: int, diagonal: bool, packed: bool = False) -> int:
+    """Elements of one running (or batch) factor block (``packed``: its upper triangle)."""
+    return n if diagonal else n * (n + 1) // 2 if packed else n * n
 
 
 def factor_sizes(
@@ -87,6 +87,7 @@ def factor_sizes(
     inv_itemsize: int = 4,
     layer_groups: Mapping[str, int] | None = None,
     diagonal_sides: Mapping[str, Diagonal] | None = None,
+    packed: bool = False,
 ) -> list[FactorSize]:
     """Every factor's memory and decomposition cost, largest first.
 
@@ -97,6 +98,7 @@ def factor_sizes(
         inv_itemsize: Bytes per decomposition element.
         layer_groups: Kronecker blocks per layer (default 1).
         diagonal_sides: The sides each layer keeps as diagonals (default none).
+        packed: Running factors kept as upper triangles (the batch factor stays dense).
 
     Returns:
         One entry per factor, sorted by dimension, largest first.
@@ -110,7 +112,8 @@ def factor_sizes(
             diag = side in diagonal.get(name, DENSE)
             # one side's decomposition: as the A side of a block with an empty G side
             stored = method.numel(n, 0, diagonal=frozenset({Side.A}) if diag else DENSE)
-            per_block = 2 * _factor_numel(n, diag) * itemsize + stored * inv_itemsize
+            per_block = ((_factor_numel(n, diag, packed) + _factor_numel(n, diag)) * itemsize
+                         + stored * inv_itemsize)
             gflop = blocks * method.decompose_flops(n, diagonal=diag) / 1e9
             out.append(FactorSize(name, side, n, blocks, blocks * per_block, gflop, diag))
     return sorted(out, key=lambda f: (-f.dim, f.layer, f.side.value))
@@ -174,6 +177,7 @@ def estimate_memory(
     colocate_factors: bool = True,
     diagonal_sides: Mapping[str, Diagonal] | None = None,
     owned_factors: bool = False,
+    packed: bool = False,
 ) -> MemoryEstimate:
     """Models every rank's K-FAC memory for one grid.
 
@@ -196,6 +200,7 @@ def estimate_memory(
         diagonal_sides: The sides each layer keeps as diagonals (``n`` elements, not
             ``n^2``); missing layers have none.
         owned_factors: Running factors only on the ranks that decompose them (FSDP2).
+        packed: Running factors kept as upper triangles (``factor_storage='packed'``).
 
     Returns:
         The estimate.
@@ -207,17 +212,18 @@ def estimate_memory(
     groups = dict(layer_groups or {})
     diagonal = dict(diagonal_sides or {})
     placement = place_layers(layer_dims, grid, assignment_strategy, colocate_factors, diagonal)
-    layer_numel = {
-        name: groups.get(name, 1) * (_factor_numel(a, Side.A in diagonal.get(name, DENSE))
-                                     + _factor_numel(g, Side.G in diagonal.get(name, DENSE)))
-        for name, (a, g) in layer_dims.items()
-    }
+    def numel(packed_: bool) -> dict[str, int]:
+        return {name: groups.get(name, 1) * (
+            _factor_numel(a, Side.A in diagonal.get(name, DENSE), packed_)
+            + _factor_numel(g, Side.G in diagonal.get(name, DENSE), packed_))
+            for name, (a, g) in layer_dims.items()}
+
+    layer_numel, layer_dense = numel(packed), numel(False)
     factor_numel = sum(layer_numel.values())
     per_rank: list[dict[str, int]] = []
     for rank in range(grid.world_size):
-        held = factor_numel if not owned_factors else sum(
-            layer_numel[lp.name] for lp in placement.layers.values()
-            if rank in (lp.a_rank, lp.g_rank))
+        mine = [lp.name for lp in placement.layers.values() if rank in (lp.a_rank, lp.g_rank)]
+        held = factor_numel if not owned_factors else sum(layer_numel[n] for n in mine)
         decomp = 0
         received = 0
         for lp in placement.layers.values():
@@ -230,7 +236,7 @@ def estimate_memory(
                 received += blocks * lp.a_dim * lp.g_dim + 1
         # Under FSDP2 the reduced batch factors of the held blocks, kept for step(); else
         # nothing: folded where computed, averaged in place by the end of the backward pass.
-        buffers = held + received if owned_factors else received
+        buffers = received + (sum(layer_dense[n] for n in mine) if owned_factors else 0)
         entry = {
             "factors": held * itemsize,
             "decompositions": decomp * inv_size,

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from kaisa.distributed.local import LocalCommunicator
-from kaisa.distributed.packing import pack_symmetric, packed_numel, unpack_symmetric
 from kaisa.distributed.protocol import (
     IN_PLACE_BUCKETS_IN_FLIGHT,
     CommHandle,
@@ -27,6 +26,7 @@ from kaisa.distributed.protocol import (
     DoneHandle,
 )
 from kaisa.distributed.stats import CommStats
+from kaisa.utils.packing import pack_symmetric, packed_numel, unpack_symmetric
 
 __all__ = ["TorchDistCommunicator", "make_communicator"]
 

@@ -36,7 +36,7 @@ from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac.config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
 from kaisa.methods import EigenAdamMethod
-from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy, KFACApprox
+from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy, FactorStorage, KFACApprox
 from kaisa.utils.first_order import AdamStep, adamw_update, step_count
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
 from kaisa.utils.optim_state import check_known, check_optimizer_state
@@ -71,6 +71,8 @@ class EKFAC(torch.optim.Optimizer):
             every ``eigh_every``-th refresh) or ``'eigh'`` (always a full one).
         eigh_every: See ``basis_refresh``.
         kfac_approx: Linear blocks on sequences: ``'expand'`` or ``'reduce'``.
+        factor_storage: ``'dense'`` running factors, or ``'packed'``: their upper
+            triangles, about half the bytes (``docs/conventions.md``, "Packed factors").
         factor_rows: Row-subsampled factor statistics: each call of a Linear, attention or
             embedding block (tied or not; not convolutions) with more rows than
             ``factor_rows`` computes its ``A`` and ``G`` from ``factor_rows`` of them drawn
@@ -136,6 +138,7 @@ class EKFAC(torch.optim.Optimizer):
         basis_refresh: BasisRefresh | str = BasisRefresh.EIGH,
         eigh_every: int = 10,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        factor_storage: FactorStorage | str = FactorStorage.DENSE,
         factor_rows: int | None = None,
         seed: int = 0,
         max_basis_dim: int | None = None,

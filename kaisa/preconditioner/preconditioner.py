@@ -23,7 +23,13 @@ from kaisa.core.clipping import write_directions
 from kaisa.core.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
 from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed import Communicator, DistributedConfig, FactorSize, MemoryEstimate, Placement
-from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
+from kaisa.utils.enums import (
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    FactorStorage,
+    KFACApprox,
+)
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
 from kaisa.utils.optim_state import check_known
 
@@ -55,6 +61,10 @@ class KFACPreconditioner:
     ranks. Gradients must already be averaged over ranks when :meth:`step` runs
     (DistributedDataParallel, or an explicit allreduce), and every rank must run the same
     layers in the same order. With one rank everything is local.
+
+    Beyond kfac-pytorch's keywords: ``factor_storage='packed'`` keeps each running factor
+    as its upper triangles (about half the bytes; ``docs/conventions.md``, "Packed
+    factors"), and the other :class:`~kaisa.core.config.KFACConfig` fields.
     """
 
     def __init__(
@@ -83,6 +93,7 @@ class KFACPreconditioner:
         skip_layers: str | list[str] | None = None,
         update_factors_in_hook: bool = True,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
+        factor_storage: FactorStorage | str = FactorStorage.DENSE,
         layer_kinds: str | tuple[str, ...] = REFERENCE_KINDS,
         cross_attention: str | list[str] | None = None,
         loglevel: int = logging.DEBUG,

@@ -64,6 +64,7 @@ def _curvature_arguments(options: argparse.Namespace) -> dict[str, Any]:
         "inv_dtype": DTYPES[options.kfac_inv_dtype] or torch.float32,
         "skip_layers": skip,
         "kfac_approx": options.kfac_approx,
+        "factor_storage": options.kfac_factor_storage,
         **({} if options.kfac_layer_kinds is None else {"layer_kinds": options.kfac_layer_kinds}),
         **({} if options.kfac_cross_attention is None else {
             "cross_attention": [n for n in options.kfac_cross_attention.split(",") if n]}),

@@ -199,6 +199,11 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         "QR step with eigh every 10th refresh (default: %(default)s)",
     )
     add(
+        "--kfac-factor-storage", choices=("dense", "packed"), default="dense",
+        help="running factors as matrices, or packed as their upper triangles: about half "
+        "the factor memory, the same results (default: dense)",
+    )
+    add(
         "--kfac-approx", choices=("expand", "reduce"), default="expand",
         help="Linear layers on sequences: every position a row (expand) or one row per "
         "example (reduce: inputs averaged, output gradients summed) (default: expand)",

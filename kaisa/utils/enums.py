@@ -15,6 +15,7 @@ __all__ = [
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
+    "FactorStorage",
     "KFACApprox",
     "LossKind",
     "Reduction",
@@ -43,6 +44,18 @@ class KFACApprox(enum.Enum):
 
     EXPAND = "expand"
     REDUCE = "reduce"
+
+
+class FactorStorage(enum.Enum):
+    """How running factors are kept.
+
+    ``DENSE``: ``(groups, n, n)``; ``PACKED``: the upper triangles ``(groups, n(n+1)/2)``,
+    about half the bytes, unpacked for the decomposition and for readers of the factors
+    (``docs/conventions.md``, "Packed factors").
+    """
+
+    DENSE = "dense"
+    PACKED = "packed"
 
 
 class DistributedStrategy(enum.Enum):

@@ -107,7 +107,7 @@ def run(product: str, *, accumulation: int = 1, in_hook: bool = True,
             x, y = data(s, m)
             (loss_of(product, model(x), y) / k).backward()
         step()
-    factors = {n: (b.factors.a, b.factors.g, b.factors.skipped) for n, b in core.blocks.items()}
+    factors = {n: (b.a, b.g, b.factors.skipped) for n, b in core.blocks.items()}
     return [p.detach().clone() for p in model.parameters()], factors
 
 

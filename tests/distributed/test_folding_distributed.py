@@ -4,7 +4,8 @@ On 2 and 4 gloo ranks, every KAISA strategy, the three products in float64: trai
 the statistics folded into the running factors in the backward pass (then the running
 factors averaged over ranks) ends with the parameters of the batch path (the micro-batch
 factors summed, averaged over ranks, then folded in ``step()``) to 1e-12 relative, and
-every rank holds the same running factors. One process: ``tests/core/test_folding.py``.
+every rank holds the same running factors; so does ``factor_storage='packed'`` (the
+factors' triangles averaged). One process: ``tests/core/test_folding.py``.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ def _net(product: str) -> nn.Module:
     ).double()
 
 
-def _train(product: str, strategy: str, rank: int, world: int) -> list[torch.Tensor]:
+def _train(product: str, strategy: str, rank: int, world: int,
+           storage: str = "dense") -> list[torch.Tensor]:
     model = _net(product)
     net = DistributedDataParallel(model)
-    common: dict[str, Any] = {"grad_worker_fraction": strategy, "inv_dtype": torch.float64}
+    common: dict[str, Any] = {"grad_worker_fraction": strategy, "inv_dtype": torch.float64,
+                              "factor_storage": storage}
     k = 2 if product != "kfac" else 1
     if product == "ekfac":
         opt: Any = kaisa.EKFAC(model, lr=1e-2, basis_update_steps=2, accumulation_steps=k,
@@ -65,8 +68,7 @@ def _train(product: str, strategy: str, rank: int, world: int) -> list[torch.Ten
             pre.step()
             sgd.step()
     core = opt.curvature if product != "preconditioner" else pre._curvature
-    factors = [t for b in core.blocks.values() for t in (b.factors.a, b.factors.g)
-               if t is not None]
+    factors = [t for b in core.blocks.values() for t in (b.a, b.g) if t is not None]
     return [p.detach().clone() for p in model.parameters()] + factors
 
 
@@ -76,7 +78,8 @@ def _job(rank: int, world: int, cases: list[tuple[str, str]]) -> list[list[list[
         folded = _train(product, strategy, rank, world)
         with batch_path():
             batched = _train(product, strategy, rank, world)
-        out.append([folded, batched])
+        packed = _train(product, strategy, rank, world, "packed")
+        out.append([folded, batched, packed])
     return out
 
 
@@ -88,8 +91,9 @@ def test_folding_equals_the_batch_path_on_every_strategy(world: int) -> None:
     cases = [(p, s) for p in ("preconditioner", "kfac", "ekfac") for s in strategies]
     results = run_distributed(_job, world, cases, timeout=280)
     for i, case in enumerate(cases):
-        folded, batched = results[0][i]
+        folded, batched, packed = results[0][i]
         assert_close(folded, batched)  # parameters and running factors, to 1e-12
+        assert_close(packed, folded)  # packed factors: the triangles averaged
         for r in range(1, world):
             for a, b in zip(results[r][i][0], folded, strict=True):
                 assert torch.equal(a, b), f"rank {r} differs from rank 0 ({case})"

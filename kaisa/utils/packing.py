@@ -1,7 +1,8 @@
-"""Symmetric packing: send the upper triangle of ``(..., n, n)`` matrices only.
+"""Symmetric packing: the upper triangle of ``(..., n, n)`` matrices only.
 
-``n(n+1)/2`` of ``n^2`` elements travel; the receiver mirrors them back. Used by the
-communicators when ``symmetry_aware=True``.
+``n(n+1)/2`` of ``n^2`` elements, mirrored back when unpacked. Used by the communicators
+when ``symmetry_aware=True`` (only the triangles travel) and by running factors kept
+packed (``factor_storage='packed'``).
 """
 
 from __future__ import annotations
