@@ -111,7 +111,7 @@ def _shard(model: nn.Module) -> None:
 
 
 def _run(model_name: str, fraction: Fraction, rank: int, world: int,
-         fsdp: bool = False) -> dict[str, Any]:
+         fsdp: bool = False, storage: str = "dense") -> dict[str, Any]:
     import kaisa
     from kaisa.train import models
 
@@ -121,7 +121,7 @@ def _run(model_name: str, fraction: Fraction, rank: int, world: int,
     if fsdp:
         _shard(model)
     pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=10**6,
-                                   grad_worker_fraction=float(fraction))
+                                   grad_worker_fraction=float(fraction), factor_storage=storage)
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(2, 3, 32, 32, generator=gen)
     y = torch.randint(0, classes, (2,), generator=gen)
@@ -139,13 +139,13 @@ def _run(model_name: str, fraction: Fraction, rank: int, world: int,
 
 
 def _worker(rank: int, world: int, port: int, model_name: str, fractions: list[str],
-            fsdp: bool, out_dir: str) -> None:
+            fsdp: bool, storage: str, out_dir: str) -> None:
     warnings.simplefilter("ignore")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=1800))
-    rows = [_run(model_name, Fraction(f), rank, world, fsdp) for f in fractions]
+    rows = [_run(model_name, Fraction(f), rank, world, fsdp, storage) for f in fractions]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -159,15 +159,15 @@ def _spawnable_worker() -> Any:
     return importlib.import_module("factor_memory")._worker
 
 
-def run_world(world: int, model_name: str, timeout: float,
-              fsdp: bool = False) -> list[dict[str, Any]]:
+def run_world(world: int, model_name: str, timeout: float, fsdp: bool = False,
+              storage: str = "dense") -> list[dict[str, Any]]:
     """Every valid fraction of ``world`` ranks: per fraction, every rank's measurements."""
     from kaisa.distributed.strategy import valid_fractions
 
     fractions = [str(f) for f in valid_fractions(world)]
-    per_rank = ranks.spawn_ranks(_spawnable_worker(), world, (model_name, fractions, fsdp),
-                                 timeout)
-    return [{"world": world, "fraction": f, "fsdp": fsdp,
+    per_rank = ranks.spawn_ranks(_spawnable_worker(), world,
+                                 (model_name, fractions, fsdp, storage), timeout)
+    return [{"world": world, "fraction": f, "fsdp": fsdp, "factor_storage": storage,
              "ranks": [per_rank[r][i] for r in range(world)]} for i, f in enumerate(fractions)]
 
 
@@ -178,7 +178,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         top = max(row["ranks"], key=lambda r: r["peak"]["held_mb"])
         model = top["model"]
-        ranks_label = f"{row['world']}{' FSDP2' if row.get('fsdp') else ''}"
+        ranks_label = (f"{row['world']}{' FSDP2' if row.get('fsdp') else ''}"
+                       f"{' packed' if row.get('factor_storage') == 'packed' else ''}")
         lines.append(
             f"| {ranks_label} | {row['fraction']} | {top['peak']['held_mb']:.0f} | "
             f"{top['peak']['batch_mb']:.0f} | {top['between']['held_mb']:.0f} | "
@@ -193,23 +194,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--fsdp-worlds", default="2,4",
                    help="world sizes also measured under FSDP2 (fully_shard per block)")
+    p.add_argument("--packed-worlds", default="1,4",
+                   help="world sizes also measured with factor_storage='packed'")
     p.add_argument("--smoke", action="store_true",
-                   help="ResNet-20 (CIFAR), 1 and 2 ranks, and 2 under FSDP2")
+                   help="ResNet-20 (CIFAR), 1 and 2 ranks, 2 under FSDP2, 1 packed")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per world size")
     args = p.parse_args(argv)
     model_name = "resnet20" if args.smoke else "resnet50"
-    worlds = [(1, False), (2, False), (2, True)] if args.smoke else [
-        (int(w), False) for w in args.worlds.split(",")] + [
-        (int(w), True) for w in args.fsdp_worlds.split(",") if w]
+    def listed(text: str) -> list[int]:
+        return [int(w) for w in text.split(",") if w]
+
+    worlds = [(1, False, "dense"), (2, False, "dense"), (2, True, "dense"),
+              (1, False, "packed")] if args.smoke else (
+        [(w, False, "dense") for w in listed(args.worlds)]
+        + [(w, True, "dense") for w in listed(args.fsdp_worlds)]
+        + [(w, False, "packed") for w in listed(args.packed_worlds)])
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
-    for w, fsdp in worlds:  # written after each world size: a run cut short keeps what it has
+    for w, fsdp, storage in worlds:  # written after each: a run cut short keeps what it has
         try:
-            rows += run_world(w, model_name, args.timeout, fsdp)
+            rows += run_world(w, model_name, args.timeout, fsdp, storage)
         except (RuntimeError, TimeoutError) as err:  # e.g. a rank killed for memory
             if args.smoke:
                 raise
-            errors[f"{w}{' fsdp' if fsdp else ''}"] = str(err)
+            errors[f"{w}{' fsdp' if fsdp else ''} {storage}"] = str(err)
         harness.write(args.out, "factor_memory",
                       {"model": model_name, "rows": rows, "errors": errors},
                       argv=argv, script="bench/distributed/factor_memory.py")

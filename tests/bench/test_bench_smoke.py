@@ -184,8 +184,8 @@ def test_launches_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_factor_memory_smoke(tmp_path: Path) -> None:
-    """bench/distributed/factor_memory.py --smoke: ResNet-20 on 1 and 2 gloo ranks, and 2
-    under FSDP2.
+    """bench/distributed/factor_memory.py --smoke: ResNet-20 on 1 and 2 gloo ranks, 2 under
+    FSDP2 and 1 with packed factors.
 
     The running factors and the decompositions held are what the memory model counts, to
     the byte, at every fraction, and at the peak of a factor step every rank holds the
@@ -199,8 +199,9 @@ def test_factor_memory_smoke(tmp_path: Path) -> None:
     results = module.main(["--smoke", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert rows == json.loads(json.dumps(results["rows"]))
-    assert sorted((r["world"], r["fraction"], r["fsdp"]) for r in rows) == [
-        (1, "1", False), (2, "1", False), (2, "1", True), (2, "1/2", False), (2, "1/2", True)]
+    assert sorted((r["world"], r["fraction"], r["fsdp"], r["factor_storage"]) for r in rows) == [
+        (1, "1", False, "dense"), (1, "1", False, "packed"), (2, "1", False, "dense"),
+        (2, "1", True, "dense"), (2, "1/2", False, "dense"), (2, "1/2", True, "dense")]
     for row in rows:
         for rank in row["ranks"]:
             for moment in ("peak", "between"):
