@@ -52,33 +52,33 @@ def decompose_assigned(
     Returns:
         ``(name, side) -> payload`` as receivers rebuild it (``None``: it failed).
     """
-    mine: list[tuple[CurvatureBlock, Side, Damping]] = []
+    mine: list[tuple[CurvatureBlock, Side, Damping, torch.Tensor]] = []
     for la in layers:
         lp = placement[la.name]
         if rank not in (lp.a_rank, lp.g_rank) or la.factors.a is None or la.factors.g is None:
             continue
-        a, g = la.a, la.g
+        a, g = la.a, la.g  # read once: packed factors are unpacked on each read
         assert a is not None and g is not None
         damping_a, damping_g = method.factor_damping(a, g, damping, diagonal=la.diagonal_sides)
         if lp.a_rank == rank:
-            mine.append((la, Side.A, damping_a))
+            mine.append((la, Side.A, damping_a, a))
         if lp.g_rank == rank:
-            mine.append((la, Side.G, damping_g))
+            mine.append((la, Side.G, damping_g, g))
     if not mine:
         return {}
     results = method.decompose(
-        [la.a if side is Side.A else la.g for la, side, _ in mine],  # type: ignore[misc]
-        damping=[d for _, _, d in mine],
+        [factor for _, _, _, factor in mine],
+        damping=[d for _, _, d, _ in mine],
         inv_dtype=config.inv_dtype,
-        names=[f"{la.name}.{side.value}" for la, side, _ in mine],
-        diagonal=[la.is_diagonal(side) for la, side, _ in mine],
+        names=[f"{la.name}.{side.value}" for la, side, _, _ in mine],
+        diagonal=[la.is_diagonal(side) for la, side, _, _ in mine],
         previous=[method.stored(la.decomposition, side, diagonal=la.diagonal_sides)
-                  for la, side, _ in mine] if warm_start else None,
+                  for la, side, _, _ in mine] if warm_start else None,
     )
     return {
         (la.name, side): None if res is None else as_received(
             res, method, symmetric=config.symmetry_aware, diagonal=la.is_diagonal(side))
-        for (la, side, _), res in zip(mine, results, strict=True)
+        for (la, side, _, _), res in zip(mine, results, strict=True)
     }
 
 
