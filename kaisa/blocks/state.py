@@ -184,8 +184,7 @@ class RunningFactors:
         ``rho F + weight * sum(F_mb)``; a non-finite ``batch`` leaves ``F`` as it was and is
         counted (``docs/conventions.md``, "Folding statistics where they are computed").
         A factor that does not exist yet (or changed shape, dtype or device) starts as
-        :meth:`fold` starts it. No host synchronisation on a device; on the CPU the
-        finiteness is read from memory.
+        :meth:`fold` starts it. One :func:`kaisa.ops.fold` call, no host synchronisation.
         """
         running = self.a if side is Side.A else self.g
         skipped = self.skipped_a if side is Side.A else self.skipped_g
