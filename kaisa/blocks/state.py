@@ -23,8 +23,7 @@ from kaisa.utils.finite import all_finite, finite_each
 from kaisa.utils.packing import pack_symmetric, unpack_symmetric
 
 __all__ = [
-    "LARGE_FACTOR_DIM", "BatchStatistics", "BlockOptions", "RunningFactors", "fold_step",
-    "tensor_bytes",
+    "LARGE_FACTOR_DIM", "BatchStatistics", "BlockOptions", "RunningFactors", "tensor_bytes",
 ]
 
 #: Dense factors larger than this (per side) are reported at registration: their
@@ -197,8 +196,8 @@ class RunningFactors:
             skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
         if stamp is None or stamp.device != batch.device:
             stamp = torch.full((), -1, dtype=torch.int64, device=batch.device)
-        running, stamp, skipped = fold_step(running, batch, stamp, skipped, round_=round_,
-                                            rho=rho, weight=weight)
+        running, stamp, skipped = ops.fold(running, batch, stamp, skipped, round_=round_,
+                                           decay=rho, weight=weight)
         if side is Side.A:
             self.a, self.stamp_a, self.skipped_a = running, stamp, skipped
         else:
@@ -305,20 +304,6 @@ def _mean(total: torch.Tensor | None, count: int) -> torch.Tensor | None:
 def tensor_bytes(*ts: torch.Tensor | None) -> int:
     """Bytes held by the tensors given (``None`` counts nothing)."""
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-def fold_step(
-    running: torch.Tensor, batch: torch.Tensor, stamp: torch.Tensor, skipped: torch.Tensor,
-    *, round_: int, rho: float, weight: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One micro-batch fold: ``(new running, new stamp, new skipped count)``.
-
-    :func:`kaisa.ops.fold`: where ``batch`` is finite, ``running * s + batch * weight`` with
-    ``s = rho`` unless ``stamp == round_`` (already scaled in this round; then ``s = 1``),
-    and the stamp becomes ``round_``; else ``running`` and ``stamp`` stay and ``skipped``
-    grows by one. One operator call with the extension, no host synchronisation.
-    """
-    return ops.fold(running, batch, stamp, skipped, round_=round_, decay=rho, weight=weight)
 
 
 def _initial(batch: torch.Tensor, diagonal: bool, zero_start: bool) -> torch.Tensor:

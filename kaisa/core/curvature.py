@@ -346,16 +346,11 @@ class KFACCurvature:
             self._folding.leftovers(self._blocks.values(),
                                     whole_step=not self._config.update_factors_in_hook)
             self._recorder.compute_saved()
-            batches, running = self._engine.averaged()
-            for name, (a, g) in running.items():
-                factors = self._blocks[name].factors
-                factors.a = factors.a if a is None else a
-                factors.g = factors.g if g is None else g
             items = [(block.factors, *block.combine(*averaged))
                      for block, averaged in ((self._blocks[name], averaged) for name, averaged
-                                             in batches.items())]
+                                             in self._engine.averaged_factors().items())]
             fold_all(items, decay, zero_start=zero_start)
-            if running or any(a is not None or g is not None for _, a, g in items):
+            if self._folding.folded or any(a is not None or g is not None for _, a, g in items):
                 self._warn_silent_blocks()
 
     def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:

@@ -42,6 +42,8 @@ class FactorFolding:
         self.zero_start = False
         #: The fold round: one per step (a factor is scaled by ``rho`` once a round).
         self.round = 0
+        #: Whether a statistic was folded in this round.
+        self.folded = False
 
     def arm(self, blocks: Iterable[CurvatureBlock], decay: float | None, *, zero_start: bool,
             foldable: Callable[[CurvatureBlock], bool]) -> None:
@@ -75,6 +77,7 @@ class FactorFolding:
             block.factors.fold_micro(side, batch, rho=decay, weight=weight, round_=self.round,
                                      zero_start=self.zero_start)
             stats.folded.add(side)
+            self.folded = True
 
     def leftovers(self, blocks: Iterable[CurvatureBlock], *, whole_step: bool = False) -> None:
         """:meth:`fold` of every folding block that holds statistics."""
@@ -86,3 +89,4 @@ class FactorFolding:
     def end_round(self) -> None:
         """Ends the step's folds (the next step scales every factor by its decay again)."""
         self.round += 1
+        self.folded = False

@@ -64,9 +64,9 @@ class FactorAverages:
         self._running: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
         # Reduces to other ranks that this rank contributes to (waited, results dropped).
         self._contributions: list[CommHandle] = []
-        # What the step's collectives gave, waited for at the end of the backward pass.
+        # The batch factors the step's collectives gave, waited for at the end of the
+        # backward pass (running factors are averaged in place).
         self._averaged: dict[str, _Pair] = {}
-        self._folded: dict[str, _Pair] = {}
         # Blocks whose batch factors were sent in this step (once a step: a kind may keep
         # what it recorded until it is combined).
         self._sent: set[str] = set()
@@ -147,32 +147,31 @@ class FactorAverages:
             for name, (ha, hg) in self._pending.items():
                 self._averaged[name] = (None if ha is None else ha.wait(),
                                         None if hg is None else hg.wait())
-            for name, (ha, hg) in self._running.items():
-                self._folded[name] = (None if ha is None else ha.wait(),
-                                      None if hg is None else hg.wait())
+            for handles in self._running.values():  # written back into the running factors
+                for handle in handles:
+                    if handle is not None:
+                        handle.wait()
             for handle in self._contributions:
                 handle.wait()
         self._pending.clear()
         self._running.clear()
         self._contributions.clear()
 
-    def wait(self) -> tuple[dict[str, _Pair], dict[str, _Pair]]:
+    def wait(self) -> dict[str, _Pair]:
         """Waits for every started factor collective (:meth:`backward_end`).
 
         Every rank that keeps a block's running factors (:meth:`holders`) gets the same
-        averaged factors, so they stay identical there.
+        averaged factors, so they stay identical there; the running factors folded in the
+        step are averaged in place.
 
         Returns:
             ``name -> (A, G)`` batch factors averaged over ranks (``None`` for a side
-            not recorded, and on a rank that does not keep the block's factors), and
-            ``name -> (A, G)`` running factors folded in the step, averaged over ranks
-            (``None`` for a side not folded).
+            not recorded, and on a rank that does not keep the block's factors).
         """
         self.backward_end()
-        averaged, running = self._averaged, self._folded
-        self._averaged, self._folded = {}, {}
+        averaged, self._averaged = self._averaged, {}
         self._sent.clear()
-        return averaged, running
+        return averaged
 
     def drop(self) -> None:
         """Forgets the collectives started in an abandoned step (no step follows)."""
@@ -180,5 +179,4 @@ class FactorAverages:
         self._running.clear()
         self._contributions.clear()
         self._averaged.clear()
-        self._folded.clear()
         self._sent.clear()

@@ -7,7 +7,8 @@ code runs with no communication. At fixed points of a step it
 * averages each layer's running factors (folded where the statistics are computed) or
   batch factors over ranks (:meth:`~DistributedEngine.layer_done` starts a layer's
   allreduce as soon as its statistics are complete, during the backward pass;
-  :meth:`~DistributedEngine.averaged` waits for all of them);
+  :meth:`~DistributedEngine.averaged_factors` waits for all of them; running factors
+  are averaged in place);
 * decomposes the factors the placement assigns to this rank and broadcasts the
   results to each layer's gradient workers (:meth:`~DistributedEngine.update_decompositions`);
 * has the gradient workers precondition (or run a product's per-block rule, which may
@@ -266,17 +267,6 @@ class DistributedEngine:
         Returns:
             ``name -> (A, G)`` batch factors averaged over ranks (``None`` for a side
             not recorded, and on a rank that does not keep the block's factors).
-        """
-        return self.averaged()[0]
-
-    def averaged(self) -> tuple[dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
-                                dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]]:
-        """Waits for every started factor collective (:meth:`FactorAverages.wait`).
-
-        Returns:
-            The batch factors averaged over ranks, as :meth:`averaged_factors`, and
-            ``name -> (A, G)`` the running factors folded in the step, averaged over ranks
-            (``None`` for a side not folded).
         """
         return self._factors.wait()
 

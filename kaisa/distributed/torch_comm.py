@@ -154,36 +154,33 @@ class _Bucket:
             flat.div_(self.comm.world_size)
         for e in self.entries:
             chunk = flat[e.offset : e.offset + e.numel]
-            if self.op == "allreduce_":
+            if self.op in ("allreduce_", "broadcast"):  # the result goes into the input
                 assert e.tensor is not None
-                if chunk.data_ptr() != e.tensor.data_ptr():  # a bucket copy: write back
-                    if e.symmetric:
-                        n = int(e.shape[-1])
-                        unpack_symmetric(chunk.view(*e.shape[:-2], -1), n, out=e.tensor)
-                    else:
-                        e.tensor.copy_(chunk.view(e.shape))
+                copied = (chunk.data_ptr() != e.tensor.data_ptr() if self.op == "allreduce_"
+                          else self.comm.rank != self.src)  # else: the input is the result
+                if copied:
+                    _unpack(chunk, e, out=e.tensor)
                 e.result = e.tensor
             elif self.op == "reduce" and not reduced:
                 e.result = flat.new_empty(0)
-            elif self.op != "broadcast":
-                if e.symmetric:
-                    n = int(e.shape[-1])
-                    e.result = unpack_symmetric(chunk.view(*e.shape[:-2], -1), n)
-                else:
-                    e.result = chunk.view(e.shape)
             else:
-                assert e.tensor is not None
-                if self.comm.rank != self.src:
-                    if e.symmetric:
-                        n = int(e.shape[-1])
-                        unpack_symmetric(chunk.view(*e.shape[:-2], -1), n, out=e.tensor)
-                    else:
-                        e.tensor.copy_(chunk.view(e.shape))
-                e.result = e.tensor
+                e.result = _unpack(chunk, e)
         if self.op != "allreduce":  # an allreduce's results are views of its flat buffer
             self.flat = None
         self.finished = True
         self.comm._forget(self)
+
+
+def _unpack(chunk: torch.Tensor, e: _Entry, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Entry ``e``'s part of a bucket, in its shape.
+
+    Into ``out`` if given; else a new tensor (symmetric) or a view of the bucket.
+    """
+    if e.symmetric:
+        return unpack_symmetric(chunk.view(*e.shape[:-2], -1), int(e.shape[-1]), out=out)
+    if out is None:
+        return chunk.view(e.shape)
+    return out.copy_(chunk.view(e.shape))
 
 
 class _BucketHandle:
