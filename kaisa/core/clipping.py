@@ -34,6 +34,12 @@ def guarded_directions(
     Returns:
         ``(block, direction matrix)`` per entry.
     """
+    return _guarded(pairs, kl_clip, lr)
+
+
+def _guarded(pairs: Sequence[Preconditioned], kl_clip: float | None, lr: float, *,
+             in_place: bool = False) -> list[tuple[CurvatureBlock, torch.Tensor]]:
+    """:func:`guarded_directions`; ``in_place``: in the ``P`` buffers where they may be."""
     if not pairs:
         return []
     checks = _checks(pairs, kl_clip)
@@ -43,7 +49,7 @@ def guarded_directions(
         terms = [torch.where(ok, t, torch.zeros_like(t)).to(device)
                  for t, ok in checks if t is not None]
         nu = _nu(torch.stack(terms).to(torch.float64).sum(), kl_clip, lr)
-    return _apply(pairs, checks, nu)
+    return _apply(pairs, checks, nu, in_place=in_place)
 
 
 def _checks(pairs: Sequence[Preconditioned], kl_clip: float | None,
@@ -76,13 +82,26 @@ def _nu(total: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
 
 def _apply(pairs: Sequence[Preconditioned],
            checks: Sequence[tuple[torch.Tensor | None, torch.Tensor]],
-           nu: torch.Tensor | None) -> list[tuple[CurvatureBlock, torch.Tensor]]:
+           nu: torch.Tensor | None, *, in_place: bool = False,
+           ) -> list[tuple[CurvatureBlock, torch.Tensor]]:
+    """Each entry's final direction; ``in_place``: written over its ``P`` where it may be."""
     out = []
     for entry, (_, ok) in zip(pairs, checks, strict=True):
-        p = entry.direction
+        p, g = entry.direction, entry.grad
+        if in_place and _own_buffer(p, g):
+            if nu is not None:
+                p.mul_(nu.to(p.device, p.dtype))
+            out.append((entry.block, torch.where(ok, p, g, out=p)))
+            continue
         scaled = p if nu is None else p * nu.to(p.device, p.dtype)
-        out.append((entry.block, torch.where(ok, scaled, entry.grad)))
+        out.append((entry.block, torch.where(ok, scaled, g)))
     return out
+
+
+def _own_buffer(p: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether ``P`` may be overwritten: a plain tensor that shares no storage with ``g``."""
+    return (type(p) is torch.Tensor and p.is_contiguous()
+            and p.untyped_storage().data_ptr() != g.untyped_storage().data_ptr())
 
 
 def write_directions(directions: GroupedDirections, *, kl_clip: float | None,
@@ -93,12 +112,15 @@ def write_directions(directions: GroupedDirections, *, kl_clip: float | None,
     KL-clipped where it is finite, else its gradient. A group's blocks are checked on its
     stacks (with a clip, ``<P, grad>`` is finite exactly when ``P`` and ``grad`` are, so that
     one check serves), the scaling is one multi-tensor call, and every grouped ``.grad`` is
-    written by one more.
+    written by one more. ``directions`` is used up: the final directions are computed in
+    the buffers of the preconditioned gradients (no copy of them is made), which are
+    left holding them.
     """
     if not directions.groups:
-        write_preconditioned(directions.single, kl_clip=kl_clip, lr=lr)
+        for block, direction in _guarded(directions.single, kl_clip, lr, in_place=True):
+            block.write_grad(direction)
         return
-    stacks, single = _grouped_final(directions, kl_clip, lr)
+    stacks, single = _grouped_final(directions, kl_clip, lr, in_place=True)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     for group, direction in stacks:
@@ -136,19 +158,27 @@ def grouped_parameter_directions(
     return _place(single, index, out, raw)
 
 
-def _grouped_final(directions: GroupedDirections, kl_clip: float | None, lr: float,
+def _grouped_final(directions: GroupedDirections, kl_clip: float | None, lr: float, *,
+                   in_place: bool = False,
                    ) -> tuple[list[tuple[BlockGroup, torch.Tensor]],
                               list[tuple[CurvatureBlock, torch.Tensor]]]:
-    """Every group's final direction stack and every other block's final direction."""
+    """Every group's final direction stack and every other block's final direction.
+
+    With ``in_place`` they are computed in the direction stacks and entries (where these
+    share no storage with the gradients), which then hold them: the scaling, the choice
+    and the KL products' buffers add no copy of the directions.
+    """
     groups, single = directions.groups, directions.single
     checks = _checks(single, kl_clip)
     grads = [g for _, g, _ in groups]
     precond = [p for _, _, p in groups]
+    own = in_place and all(_own_buffer(p, g) for p, g in zip(precond, grads, strict=True))
     if kl_clip is not None:
         products = torch._foreach_mul(precond, grads)
         inner = torch.cat([_per_block(x, group).sum(dim=(1, 2), keepdim=True,
                                                      dtype=torch.float64)
                            for x, (group, _, _) in zip(products, groups, strict=True)])
+        del products  # a copy of every direction: gone before the final ones are computed
         ok_all = (inner * 0) == 0  # isfinite in two calls (inf * 0 and NaN * 0 are NaN)
         total = inner.nan_to_num(0.0, 0.0, 0.0).sum()  # the finite terms
         if checks:
@@ -161,10 +191,13 @@ def _grouped_final(directions: GroupedDirections, kl_clip: float | None, lr: flo
         for p in precond:  # nu once per device and dtype (one of each, almost always)
             if (p.device, p.dtype) not in scales:
                 scales[p.device, p.dtype] = nu.to(p.device, p.dtype)
-        if len(scales) == 1:
+        if len(scales) == 1 and own:
+            torch._foreach_mul_(precond, next(iter(scales.values())))
+        elif len(scales) == 1:
             precond = list(torch._foreach_mul(precond, next(iter(scales.values()))))
         else:
-            precond = [p * scales[p.device, p.dtype] for p in precond]
+            precond = [p.mul_(scales[p.device, p.dtype]) if own else p * scales[p.device, p.dtype]
+                       for p in precond]
     else:
         nu = None
         oks = [torch.isfinite(_per_block(p, group)).all(dim=(1, 2), keepdim=True)
@@ -172,8 +205,9 @@ def _grouped_final(directions: GroupedDirections, kl_clip: float | None, lr: flo
     stacks = []
     for (group, g, _), p, ok in zip(groups, precond, oks, strict=True):
         n = group.blocks[0].groups
-        stacks.append((group, torch.where(ok if n == 1 else ok.repeat_interleave(n, 0), p, g)))
-    return stacks, _apply(single, checks, nu)
+        mask = ok if n == 1 else ok.repeat_interleave(n, 0)
+        stacks.append((group, torch.where(mask, p, g, out=p) if own else torch.where(mask, p, g)))
+    return stacks, _apply(single, checks, nu, in_place=in_place)
 
 
 def _per_block(x: torch.Tensor, group: BlockGroup) -> torch.Tensor:
