@@ -1,4 +1,4 @@
-"""K-FAC's bytes at the peak of a factor step, measured on 1, 2 and 4 gloo ranks, against the model.
+"""K-FAC's bytes at the peaks of a factor step on 1, 2 and 4 gloo ranks, against the model.
 
 ``kaisa.KFACPreconditioner`` (eigen, float32, factors every step) on ResNet-50 at ImageNet
 shapes (1000 classes; the factors' sizes do not depend on the image, so the inputs are
@@ -7,8 +7,14 @@ each), at every valid ``grad_worker_fraction`` of each world size. The first ste
 decomposes; the second is a factor step, measured
 
 * ``peak``: after its backward pass, before ``step()``: the running factors (the step's
-  statistics already folded in), the decompositions and, on several ranks, the running
-  factors' copies in the pending allreduce buckets;
+  statistics already folded in), the decompositions and, under FSDP2, the batch factors
+  reduced to the rank;
+* ``step``: the largest inside its ``step()``: what ``peak`` holds plus the largest net
+  increase of live tensor storage after an operator call (:mod:`step_memory`: new storages,
+  less the held ones freed; the model's parameters and gradients not counted), with the
+  peak of each phase of ``step()`` (``update_factors``, ``precondition_grouped``,
+  ``write_directions``), the rank's gradient bytes (``grad_mb``) and, with ``--breakdown``,
+  the shapes live at the peak;
 * ``between``: after its ``step()``: what stays from one step to the next.
 
 "Held" is every tensor storage reachable from the preconditioner object (the Python object
@@ -16,10 +22,10 @@ graph, counted once per storage), not through the model (its modules, parameters
 gradients are the model's memory): the same walk finds the blocks' state, the
 communicator's buckets and the pending collectives' buffers. The storages of the blocks'
 running factors are ``factors``, of their decomposition entries ``decompositions``;
-``batch`` is the rest. The model is
-``pre.memory_estimates()`` (``kaisa.distributed.memory``) for the run's fraction and rank:
-``factors``, ``decompositions`` and ``buffers`` (the bucket copies, and a receive buffer
-for each gradient the rank receives by broadcast, which exists during ``step()`` only).
+``batch`` is the rest. The model is ``pre.memory_estimates()``
+(``kaisa.distributed.memory``) for the run's fraction and rank: ``factors``,
+``decompositions``, ``buffers`` (after the backward pass) and ``step_buffers`` (inside
+``step()``); the table compares each moment with its modelled sum (:func:`modelled`).
 
     python bench/distributed/factor_memory.py             # bench/results/factor_memory.json
     python bench/distributed/factor_memory.py --smoke --out /tmp/m.json   # ResNet-20, 1-2 ranks
