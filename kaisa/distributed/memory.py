@@ -8,15 +8,21 @@ The model counts, for every rank, the bytes of
   factors keep them (they are reduced to those ranks), about ``1/world`` each;
 * ``decompositions``: eigenvectors and eigenvalues (``'eigen'``) or inverses
   (``'inverse'``) of the layers for which the rank is a gradient worker;
-* ``buffers``: at the peak of a factor step (after its backward pass): with DDP and one
-  process nothing (the statistics are folded into the running factors where they are
-  computed, ``docs/conventions.md``, and the running factors are averaged in place by the
-  end of the backward pass; during it at most two buckets' copies are in flight,
+* ``buffers``: what else exists at the end of a factor step's backward pass: with DDP
+  nothing (the statistics are folded into the running factors where they are computed,
+  ``docs/conventions.md``, and the running factors are averaged in place by the end of the
+  backward pass; during it at most two buckets' copies are in flight,
   ``allreduce_bucket_cap_mb`` each, none for a factor alone in its bucket); under FSDP2 the
   batch factors of the blocks the rank holds, reduced to it by the end of the backward pass
   and folded in ``step()`` (the other ranks' contributions are let go when sent, at most two
-  buckets in flight). Plus one gradient-sized receive buffer per layer whose
-  preconditioned gradient the rank receives by broadcast.
+  buckets in flight);
+* ``step_buffers``: what else exists at the peak inside ``step()``
+  (:mod:`kaisa.distributed.step_buffers`): the preconditioned gradients of every layer
+  before they are written back, with the copies the rank's path keeps (grouped, per block
+  with the broadcast buffers it sends or receives, or FSDP2's rows), and under FSDP2 the
+  fold of the batch factors at its start;
+* ``total``: ``factors + decompositions + max(buffers, step_buffers)``, the larger of the
+  two moments (the batch factors are folded and let go at the start of ``step()``).
 
 The decomposition bytes follow the placement computed by
 :func:`kaisa.distributed.placement.place_layers`, so the estimate is per rank
@@ -32,7 +38,8 @@ from fractions import Fraction
 from typing import Protocol
 
 from kaisa.blocks.state import LARGE_FACTOR_DIM
-from kaisa.distributed.placement import Placement, place_layers
+from kaisa.distributed.placement import LayerPlacement, Placement, place_layers
+from kaisa.distributed.step_buffers import StepLayer, StepPath, fold_numel, step_buffer_numel
 from kaisa.distributed.strategy import WorkerGrid, valid_fractions
 from kaisa.methods import DENSE, Diagonal, SecondOrderMethod, make_method
 from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, Side, parse_enum
@@ -144,8 +151,9 @@ class MemoryEstimate:
     Attributes:
         fraction: The gradient-worker fraction.
         placement: The placement the estimate is based on.
-        per_rank: Bytes by kind (``factors``, ``decompositions``,
-            ``buffers``, ``total``) for every rank.
+        per_rank: Bytes by kind (``factors``, ``decompositions``, ``buffers`` after the
+            backward pass, ``step_buffers`` at the peak of ``step()``, and ``total``, the
+            larger moment's sum) for every rank.
     """
 
     fraction: Fraction
@@ -178,6 +186,7 @@ def estimate_memory(
     diagonal_sides: Mapping[str, Diagonal] | None = None,
     owned_factors: bool = False,
     packed: bool = False,
+    kl_clip: bool = True,
 ) -> MemoryEstimate:
     """Models every rank's K-FAC memory for one grid.
 
@@ -201,6 +210,7 @@ def estimate_memory(
             ``n^2``); missing layers have none.
         owned_factors: Running factors only on the ranks that decompose them (FSDP2).
         packed: Running factors kept as upper triangles (``factor_storage='packed'``).
+        kl_clip: Whether ``step()`` KL-clips (its grouped path keeps the KL products too).
 
     Returns:
         The estimate.
@@ -225,26 +235,58 @@ def estimate_memory(
         mine = [lp.name for lp in placement.layers.values() if rank in (lp.a_rank, lp.g_rank)]
         held = factor_numel if not owned_factors else sum(layer_numel[n] for n in mine)
         decomp = 0
-        received = 0
+        steps: list[StepLayer] = []
         for lp in placement.layers.values():
             blocks = groups.get(lp.name, 1)
             if lp.is_grad_worker(rank):
                 decomp += blocks * method.numel(lp.a_dim, lp.g_dim,
                                                 diagonal=diagonal.get(lp.name, DENSE))
-            else:
-                # Received preconditioned gradient plus its validity flag.
-                received += blocks * lp.a_dim * lp.g_dim + 1
+            path = _step_path(lp, rank, owned_factors, method.batched,
+                              bool(diagonal.get(lp.name, DENSE)))
+            steps.append(StepLayer(blocks * lp.a_dim * lp.g_dim, path))
         # Under FSDP2 the reduced batch factors of the held blocks, kept for step(); else
         # nothing: folded where computed, averaged in place by the end of the backward pass.
-        buffers = received + (sum(layer_dense[n] for n in mine) if owned_factors else 0)
+        buffers = sum(layer_dense[n] for n in mine) if owned_factors else 0
+        step = step_buffer_numel(steps, world=grid.world_size, kl_clip=kl_clip)
+        if owned_factors:  # folded at the start of step(), then let go
+            step = max(step, fold_numel(*_fold_order(layer_dims, mine, groups, diagonal,
+                                                     packed), itemsize))
         entry = {
             "factors": held * itemsize,
             "decompositions": decomp * inv_size,
             "buffers": buffers * itemsize,
+            "step_buffers": step * itemsize,
         }
-        entry["total"] = sum(entry.values())
+        entry["total"] = (entry["factors"] + entry["decompositions"]
+                          + max(entry["buffers"], entry["step_buffers"]))
         per_rank.append(entry)
     return MemoryEstimate(grid.fraction, placement, tuple(per_rank))
+
+
+def _step_path(lp: LayerPlacement, rank: int, sharded: bool, batched: bool,
+               diagonal: bool) -> StepPath:
+    """How ``rank``'s ``step()`` preconditions layer ``lp`` (``kaisa.core.grouped.eligible``)."""
+    if sharded:
+        return "sharded"
+    if not lp.is_grad_worker(rank) or lp.grad_receivers[rank]:
+        return "broadcast"
+    return "grouped" if batched and not diagonal else "local"
+
+
+def _fold_order(layer_dims: Mapping[str, tuple[int, int]], mine: Sequence[str],
+                groups: Mapping[str, int], diagonal: Mapping[str, Diagonal], packed: bool,
+                ) -> tuple[list[int], list[int]]:
+    """``(running, batch)`` elements of the held factors, A then G per layer, model order."""
+    running: list[int] = []
+    batch: list[int] = []
+    for name, (a, g) in layer_dims.items():
+        if name not in mine:
+            continue
+        for side, n in ((Side.A, a), (Side.G, g)):
+            diag = side in diagonal.get(name, DENSE)
+            running.append(groups.get(name, 1) * _factor_numel(n, diag, packed))
+            batch.append(groups.get(name, 1) * _factor_numel(n, diag))
+    return running, batch
 
 
 class FractionCost(Protocol):

@@ -137,9 +137,45 @@ def test_memory_model_reflects_strategy() -> None:
     comm_dec = max(r["decompositions"] for r in comm.per_rank)
     mem_dec = max(r["decompositions"] for r in mem.per_rank)
     assert mem_dec < comm_dec
-    assert all(
-        r["total"] == r["factors"] + r["decompositions"] + r["buffers"] for r in mem.per_rank
-    )
+    for est in (comm, mem):
+        assert all(r["total"] == r["factors"] + r["decompositions"]
+                   + max(r["buffers"], r["step_buffers"]) for r in est.per_rank)
+
+
+# The gradient matrices' elements of DIMS: sum of a * g.
+GRAD_NUMEL = 28 * 64 + 65 * 64 + 65 * 32 + 33 * 10 + 300 * 5
+
+
+def test_memory_model_step_term() -> None:
+    """The peak inside step() per path (kaisa.distributed.step_buffers), float32.
+
+    COMM-OPT on 4 ranks: every rank preconditions every layer and sends it to no one, the
+    grouped path: gradient stack, preconditioned stack and KL products of every layer (two
+    without a KL clip: the scaling and the choice are computed in the preconditioned stack). MEM-OPT: every layer is sent or
+    received: its buffer and the bucket copy or where output (each with a flag), plus one
+    block's transient, the largest layer (l1, 65 x 64). Nothing after the backward pass.
+    """
+    comm = estimate_memory(DIMS, WorkerGrid(4, 4))
+    mem = estimate_memory(DIMS, WorkerGrid(4, 1))
+    plain = estimate_memory(DIMS, WorkerGrid(4, 4), kl_clip=False)
+    for r in comm.per_rank:
+        assert (r["buffers"], r["step_buffers"]) == (0, 4 * 3 * GRAD_NUMEL)
+    assert all(r["step_buffers"] == 4 * 2 * GRAD_NUMEL for r in plain.per_rank)
+    assert all(r["step_buffers"] == 4 * (2 * GRAD_NUMEL + 2 * len(DIMS) + 65 * 64)
+               for r in mem.per_rank)
+    assert mem.per_rank[0]["buffers"] == 0
+
+
+def test_memory_model_step_term_owned_factors() -> None:
+    """FSDP2 on one rank: after the backward pass the batch factors (the running factors'
+    size); inside step() their fold, which adds the new running factors and the scaled
+    batch factors of its one chunk (all under FOLD_CHUNK_BYTES), more than the sharded
+    preconditioning's three gradient copies and one transient."""
+    est = estimate_memory(DIMS, WorkerGrid(1, 1), owned_factors=True).per_rank[0]
+    factors = sum(a * a + g * g for a, g in DIMS.values())
+    assert est["factors"] == est["buffers"] == 4 * factors
+    assert est["step_buffers"] == 4 * 3 * factors > 4 * (3 * GRAD_NUMEL + 65 * 64)
+    assert est["total"] == est["factors"] + est["decompositions"] + est["step_buffers"]
 
 
 def test_memory_model_owned_factors() -> None:
