@@ -53,6 +53,10 @@ class BatchStatistics:
     #: are computed"); then an input is kept in :attr:`saved_inputs` until its micro-batch
     #: is folded, and its A factor computed there.
     folding: bool = False
+    #: Whether the step's batch factors, averaged to the ranks that hold the running
+    #: factors (under FSDP2), are folded there as soon as the average arrives, in the
+    #: backward pass (not kept until ``step()``).
+    fold_average: bool = False
     #: The sides folded into the running factors in this step (their running factors, not
     #: batch factors, are averaged over ranks).
     folded: set[Side] = field(default_factory=set)

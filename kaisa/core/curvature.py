@@ -46,7 +46,7 @@ from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_fa
 from kaisa.blocks.state import fold_all
 from kaisa.core.config import KFACConfig
 from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
-from kaisa.core.folding import FactorFolding
+from kaisa.core.folding import FactorFolding, Fold
 from kaisa.core.grouped import BlockGroup, GroupedDirections, GroupRule, run_groups
 from kaisa.core.hooks import StatisticsRecorder
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
@@ -142,8 +142,10 @@ class KFACCurvature:
             in_hook=config.update_factors_in_hook,
             grad_scaler=config.grad_scaler,
             accumulation_steps=config.accumulation_steps,
-            on_layer_done=lambda layer: self._engine.layer_done(layer),
-            on_backward_end=lambda: self._engine.backward_end(),
+            on_layer_done=lambda layer: self._folding.fold_averages(
+                self._blocks, self._engine.layer_done(layer)),
+            on_backward_end=lambda: self._folding.fold_averages(
+                self._blocks, self._engine.backward_end()),
             timings=self._timings,
             on_statistics=self._folding.fold,
             on_micro_batch_end=lambda: self._folding.leftovers(self._blocks.values()),
@@ -300,10 +302,13 @@ class KFACCurvature:
         self._folding.arm(self._blocks.values(), decay if recording else None,
                           zero_start=zero_start, foldable=self._foldable)
 
-    def _foldable(self, block: CurvatureBlock) -> bool:
-        """Whether ``block`` folds its statistics where they are computed."""
-        return (type(block).combine is CurvatureBlock.combine
-                and len(self._engine.factor_holders(block.name)) == self._engine.world_size)
+    def _foldable(self, block: CurvatureBlock) -> Fold:
+        """Where ``block`` folds its statistics (:class:`~kaisa.core.folding.Fold`)."""
+        if type(block).combine is not CurvatureBlock.combine:
+            return Fold.IN_STEP
+        if len(self._engine.factor_holders(block.name)) == self._engine.world_size:
+            return Fold.WHERE_COMPUTED
+        return Fold.ON_ARRIVAL
 
     @property
     def recorder(self) -> StatisticsRecorder:

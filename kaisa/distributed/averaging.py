@@ -7,7 +7,9 @@ which are combined first, are averaged as batch factors). For a model FSDP2 shar
 block's batch factors are reduced (averaged) only to the ranks that decompose them
 (``reduce``, fused into one bucket per destination), which alone keep its running
 factors, so each rank's factor memory is about ``1/world`` of the total; diagonal blocks
-(not placed, preconditioned on every rank) fold and are averaged on every rank.
+(not placed, preconditioned on every rank) fold and are averaged on every rank. A held
+block's average is handed out as soon as its collective finished (the core folds it then,
+``BatchStatistics.fold_average``), so no rank keeps the batch factors until ``step()``.
 :class:`FactorAverages` starts these collectives as layers finish their backward pass
 and waits for them at its end; :class:`~kaisa.distributed.DistributedEngine` delegates to
 it.
@@ -25,10 +27,10 @@ from kaisa.distributed.placement import Placement
 from kaisa.distributed.protocol import CommHandle, Communicator
 from kaisa.utils.enums import Side
 
-__all__ = ["FactorAverages"]
+__all__ = ["FactorAverages", "FactorPair"]
 
-#: A side's averaged batch factor, or ``None``.
-_Pair = tuple[torch.Tensor | None, torch.Tensor | None]
+#: A block's averaged ``(A, G)`` batch factors (``None``: a side not recorded).
+FactorPair = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class FactorAverages:
@@ -64,9 +66,10 @@ class FactorAverages:
         self._running: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
         # Reduces to other ranks that this rank contributes to (waited, results dropped).
         self._contributions: list[CommHandle] = []
-        # The batch factors the step's collectives gave, waited for at the end of the
-        # backward pass (running factors are averaged in place).
-        self._averaged: dict[str, _Pair] = {}
+        # The batch factors the step's collectives gave that are kept for step(), waited for
+        # at the end of the backward pass (running factors are averaged in place, and the
+        # averages that fold on arrival are handed out).
+        self._averaged: dict[str, FactorPair] = {}
         # Blocks whose batch factors were sent in this step (once a step: a kind may keep
         # what it recorded until it is combined).
         self._sent: set[str] = set()
@@ -83,12 +86,19 @@ class FactorAverages:
             return tuple(range(self._comm.world_size))
         return tuple(sorted({placed.a_rank, placed.g_rank}))
 
-    def layer_done(self, layer: CurvatureBlock) -> None:
+    def layer_done(self, layer: CurvatureBlock) -> dict[str, FactorPair]:
         """Starts averaging ``layer``'s factors unless started or nothing recorded.
 
         The running factors of the sides folded in this step (``layer.stats.folded``,
         every rank holds them), else the batch factors recorded.
+
+        Returns:
+            :meth:`arrived`: the averages that came in meanwhile, to be folded now.
         """
+        self._start(layer)
+        return self.arrived()
+
+    def _start(self, layer: CurvatureBlock) -> None:
         # Diagonal sides (scale-shift's G too) travel unpacked.
         sym_a, sym_g = (self._sym and not layer.is_diagonal(side) for side in (Side.A, Side.G))
         folded = layer.stats.folded
@@ -132,21 +142,50 @@ class FactorAverages:
                 self._contributions.append(handle)
         return mine
 
-    def backward_end(self) -> None:
+    def arrived(self) -> dict[str, FactorPair]:
+        """The batch factor averages to fold as they arrive whose collectives finished.
+
+        Those of the blocks whose statistics fold on arrival
+        (:attr:`~kaisa.blocks.state.BatchStatistics.fold_average`: under FSDP2, a block
+        whose running factors only some ranks hold); this rank's, on a rank that holds
+        them (elsewhere the entry is dropped). They are no longer kept here.
+
+        Returns:
+            ``name -> (A, G)`` averaged batch factors (``None`` for a side not recorded).
+        """
+        out: dict[str, FactorPair] = {}
+        for name, (ha, hg) in list(self._pending.items()):
+            if not self._layers[name].stats.fold_average or not all(
+                    h is None or h.done for h in (ha, hg)):
+                continue
+            del self._pending[name]
+            if ha is not None or hg is not None:
+                out[name] = (None if ha is None else ha.wait(), None if hg is None else hg.wait())
+        return out
+
+    def backward_end(self) -> dict[str, FactorPair]:
         """Starts every remaining factor collective, launches all buckets, waits for them.
 
         After the backward pass nothing of the step's collectives is held beyond their
-        results: the running factors averaged in place, and the batch factors this rank
-        keeps (under FSDP2 those of the blocks it holds). On a GPU the wait is a stream
-        dependency, not a host wait; on the CPU ``step()`` would wait for them first.
+        results: the running factors averaged in place, the averages to fold on arrival
+        (returned), and the batch factors this rank keeps for ``step()`` (a tied weight's,
+        which are combined first). On a GPU the wait is a stream dependency, not a host
+        wait; on the CPU ``step()`` would wait for them first.
+
+        Returns:
+            :meth:`arrived`: every average to fold now.
         """
         for layer in self._layers.values():
-            self.layer_done(layer)
+            self._start(layer)
         self._comm.flush()
         with self._waiting():
+            arrivals = {}
             for name, (ha, hg) in self._pending.items():
-                self._averaged[name] = (None if ha is None else ha.wait(),
-                                        None if hg is None else hg.wait())
+                pair = (None if ha is None else ha.wait(), None if hg is None else hg.wait())
+                if not self._layers[name].stats.fold_average:
+                    self._averaged[name] = pair
+                elif ha is not None or hg is not None:
+                    arrivals[name] = pair
             for handles in self._running.values():  # written back into the running factors
                 for handle in handles:
                     if handle is not None:
@@ -156,8 +195,9 @@ class FactorAverages:
         self._pending.clear()
         self._running.clear()
         self._contributions.clear()
+        return arrivals
 
-    def wait(self) -> dict[str, _Pair]:
+    def wait(self) -> dict[str, FactorPair]:
         """Waits for every started factor collective (:meth:`backward_end`).
 
         Every rank that keeps a block's running factors (:meth:`holders`) gets the same
@@ -165,13 +205,14 @@ class FactorAverages:
         step are averaged in place.
 
         Returns:
-            ``name -> (A, G)`` batch factors averaged over ranks (``None`` for a side
-            not recorded, and on a rank that does not keep the block's factors).
+            ``name -> (A, G)`` batch factors averaged over ranks that are still to be
+            folded (``None`` for a side not recorded, and on a rank that does not keep the
+            block's factors), those that arrive now included.
         """
-        self.backward_end()
+        arrivals = self.backward_end()
         averaged, self._averaged = self._averaged, {}
         self._sent.clear()
-        return averaged
+        return averaged | arrivals
 
     def drop(self) -> None:
         """Forgets the collectives started in an abandoned step (no step follows)."""

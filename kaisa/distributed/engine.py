@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from kaisa.blocks import CurvatureBlock, Preconditioned
-from kaisa.distributed.averaging import FactorAverages
+from kaisa.distributed.averaging import FactorAverages, FactorPair
 from kaisa.distributed.config import EngineConfig
 from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
 from kaisa.distributed.fsdp import ShardedBlocks
@@ -253,15 +253,23 @@ class DistributedEngine:
         return factor_sizes(self._layer_dims, **self._sizes)
 
     # ------------------------------------------------------------------ factors
-    def layer_done(self, layer: CurvatureBlock) -> None:
-        """Starts averaging ``layer``'s batch factors unless started or nothing recorded."""
-        self._factors.layer_done(layer)
+    def layer_done(self, layer: CurvatureBlock) -> dict[str, FactorPair]:
+        """Starts averaging ``layer``'s factors (:meth:`FactorAverages.layer_done`).
 
-    def backward_end(self) -> None:
-        """Starts every remaining factor collective and launches all buckets."""
-        self._factors.backward_end()
+        Returns:
+            The averages to fold on arrival that came in meanwhile.
+        """
+        return self._factors.layer_done(layer)
 
-    def averaged_factors(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    def backward_end(self) -> dict[str, FactorPair]:
+        """Starts and waits for the remaining factor collectives (``FactorAverages``).
+
+        Returns:
+            Every average to fold on arrival not handed out yet.
+        """
+        return self._factors.backward_end()
+
+    def averaged_factors(self) -> dict[str, FactorPair]:
         """Waits for every started factor collective (:meth:`FactorAverages.wait`).
 
         Returns:

@@ -8,21 +8,22 @@ The model counts, for every rank, the bytes of
   factors keep them (they are reduced to those ranks), about ``1/world`` each;
 * ``decompositions``: eigenvectors and eigenvalues (``'eigen'``) or inverses
   (``'inverse'``) of the layers for which the rank is a gradient worker;
-* ``buffers``: what else exists at the end of a factor step's backward pass: with DDP
-  nothing (the statistics are folded into the running factors where they are computed,
+* ``buffers``: what else exists at the end of a factor step's backward pass: nothing (the
+  statistics are folded into the running factors where they are computed,
   ``docs/conventions.md``, and the running factors are averaged in place by the end of the
-  backward pass; during it at most two buckets' copies are in flight,
-  ``allreduce_bucket_cap_mb`` each, none for a factor alone in its bucket); under FSDP2 the
-  batch factors of the blocks the rank holds, reduced to it by the end of the backward pass
-  and folded in ``step()`` (the other ranks' contributions are let go when sent, at most two
-  buckets in flight);
+  backward pass; under FSDP2 a block's batch factors are reduced to the ranks that hold it,
+  which fold the average as it arrives; during the backward pass at most two buckets'
+  copies are in flight, ``allreduce_bucket_cap_mb`` each, none for a factor alone in its
+  bucket);
 * ``step_buffers``: what else exists at the peak inside ``step()``
   (:mod:`kaisa.distributed.step_buffers`): the preconditioned gradients of every layer
   before they are written back, with the copies the rank's path keeps (grouped, per block
-  with the broadcast buffers it sends or receives, or FSDP2's rows), and under FSDP2 the
-  fold of the batch factors at its start;
+  with the broadcast buffers it sends or receives, or FSDP2's rows);
 * ``total``: ``factors + decompositions + max(buffers, step_buffers)``, the larger of the
-  two moments (the batch factors are folded and let go at the start of ``step()``).
+  two moments.
+
+A tied weight's batch factors (combined over its uses) are folded at the start of
+``step()``; the model leaves them out (it does not know which weights are tied).
 
 The decomposition bytes follow the placement computed by
 :func:`kaisa.distributed.placement.place_layers`, so the estimate is per rank
@@ -39,7 +40,7 @@ from typing import Protocol
 
 from kaisa.blocks.state import LARGE_FACTOR_DIM
 from kaisa.distributed.placement import LayerPlacement, Placement, place_layers
-from kaisa.distributed.step_buffers import StepLayer, StepPath, fold_numel, step_buffer_numel
+from kaisa.distributed.step_buffers import StepLayer, StepPath, step_buffer_numel
 from kaisa.distributed.strategy import WorkerGrid, valid_fractions
 from kaisa.methods import DENSE, Diagonal, SecondOrderMethod, make_method
 from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, Side, parse_enum
@@ -222,13 +223,10 @@ def estimate_memory(
     groups = dict(layer_groups or {})
     diagonal = dict(diagonal_sides or {})
     placement = place_layers(layer_dims, grid, assignment_strategy, colocate_factors, diagonal)
-    def numel(packed_: bool) -> dict[str, int]:
-        return {name: groups.get(name, 1) * (
-            _factor_numel(a, Side.A in diagonal.get(name, DENSE), packed_)
-            + _factor_numel(g, Side.G in diagonal.get(name, DENSE), packed_))
-            for name, (a, g) in layer_dims.items()}
-
-    layer_numel, layer_dense = numel(packed), numel(False)
+    layer_numel = {name: groups.get(name, 1) * (
+        _factor_numel(a, Side.A in diagonal.get(name, DENSE), packed)
+        + _factor_numel(g, Side.G in diagonal.get(name, DENSE), packed))
+        for name, (a, g) in layer_dims.items()}
     factor_numel = sum(layer_numel.values())
     per_rank: list[dict[str, int]] = []
     for rank in range(grid.world_size):
@@ -244,13 +242,10 @@ def estimate_memory(
             path = _step_path(lp, rank, owned_factors, method.batched,
                               bool(diagonal.get(lp.name, DENSE)))
             steps.append(StepLayer(blocks * lp.a_dim * lp.g_dim, path))
-        # Under FSDP2 the reduced batch factors of the held blocks, kept for step(); else
-        # nothing: folded where computed, averaged in place by the end of the backward pass.
-        buffers = sum(layer_dense[n] for n in mine) if owned_factors else 0
+        # No batch factors: folded where computed and averaged in place, or (FSDP2) folded
+        # where their averages arrive, by the end of the backward pass.
+        buffers = 0
         step = step_buffer_numel(steps, world=grid.world_size, kl_clip=kl_clip)
-        if owned_factors:  # folded at the start of step(), then let go
-            step = max(step, fold_numel(*_fold_order(layer_dims, mine, groups, diagonal,
-                                                     packed), itemsize))
         entry = {
             "factors": held * itemsize,
             "decompositions": decomp * inv_size,
@@ -271,22 +266,6 @@ def _step_path(lp: LayerPlacement, rank: int, sharded: bool, batched: bool,
     if not lp.is_grad_worker(rank) or lp.grad_receivers[rank]:
         return "broadcast"
     return "grouped" if batched and not diagonal else "local"
-
-
-def _fold_order(layer_dims: Mapping[str, tuple[int, int]], mine: Sequence[str],
-                groups: Mapping[str, int], diagonal: Mapping[str, Diagonal], packed: bool,
-                ) -> tuple[list[int], list[int]]:
-    """``(running, batch)`` elements of the held factors, A then G per layer, model order."""
-    running: list[int] = []
-    batch: list[int] = []
-    for name, (a, g) in layer_dims.items():
-        if name not in mine:
-            continue
-        for side, n in ((Side.A, a), (Side.G, g)):
-            diag = side in diagonal.get(name, DENSE)
-            running.append(groups.get(name, 1) * _factor_numel(n, diag, packed))
-            batch.append(groups.get(name, 1) * _factor_numel(n, diag))
-    return running, batch
 
 
 class FractionCost(Protocol):

@@ -40,6 +40,11 @@ class CommHandle(Protocol):
         """Blocks until the collective finished and returns the result."""
         ...
 
+    @property
+    def done(self) -> bool:
+        """Whether the result is there: :meth:`wait` returns it without blocking."""
+        ...
+
 
 class DoneHandle:
     """A handle whose result is already known."""
@@ -52,6 +57,11 @@ class DoneHandle:
     def wait(self) -> torch.Tensor:
         """Returns the known result."""
         return self._tensor
+
+    @property
+    def done(self) -> bool:
+        """Always: the result is known."""
+        return True
 
 
 class Communicator(abc.ABC):

@@ -15,19 +15,17 @@ at its peak, so a change of the write-back (:mod:`kaisa.core.clipping`) is one n
 * ``local`` and ``broadcast`` (the per-block path, ``DistributedEngine.transform``): the
   preconditioned gradient, or the broadcast buffer a worker copies it into and a receiver
   receives into (one element more, the validity flag), and the ``where`` output of
-  ``guarded_directions``; while the broadcasts are in flight the buffer's packed bucket copy
-  instead of the ``where`` output (:data:`PER_BLOCK_COPIES`).
+  ``guarded_directions`` (computed in the buffer when ``step()`` writes it back); while the
+  broadcasts are in flight the buffer's packed bucket copy (:data:`PER_BLOCK_COPIES`).
 * ``sharded`` (FSDP2, ``ShardedBlocks.transform``, one block at a time): the rank's rows of
-  the gradient and of the direction, and the ``where`` output (:data:`SHARDED_COPIES` times
-  the rank's share).
+  the gradient and of the direction (the ``where`` is computed in the direction;
+  :data:`SHARDED_COPIES` times the rank's share).
 
 On top, one block's transient (its preconditioned gradient before the copy into the
 broadcast buffer, or its scaled direction): the largest per-block or sharded layer.
 
-Factors folded in ``step()`` (FSDP2: the batch factors reduced to their owners,
-:func:`fold_numel`) add the new running factors (the old ones are let go when the fold
-ends) and the largest fold chunk's scaled batch factors
-(:data:`~kaisa.blocks.state.FOLD_CHUNK_BYTES`) to the batch factors held at the start.
+No batch factor is folded in ``step()`` (under FSDP2 the ranks that hold a block fold its
+averaged batch factors as they arrive, in the backward pass), except a tied weight's.
 """
 
 from __future__ import annotations
@@ -36,10 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kaisa.blocks.state import FOLD_CHUNK_BYTES
-
 __all__ = ["GROUPED_COPIES", "GROUPED_COPIES_UNCLIPPED", "PER_BLOCK_COPIES", "SHARDED_COPIES",
-           "StepLayer", "fold_numel", "step_buffer_numel"]
+           "StepLayer", "step_buffer_numel"]
 
 #: Gradient-sized tensors per grouped layer at the peak of ``step()``, with a KL clip:
 #: gradient stack, preconditioned stack, KL products.
@@ -48,8 +44,8 @@ GROUPED_COPIES = 3
 GROUPED_COPIES_UNCLIPPED = 2
 #: Per-block path: the preconditioned gradient (or broadcast buffer) and one more.
 PER_BLOCK_COPIES = 2
-#: FSDP2: the rank's rows of gradient, direction and ``where`` output.
-SHARDED_COPIES = 3
+#: FSDP2: the rank's rows of gradient and direction.
+SHARDED_COPIES = 2
 
 #: How ``step()`` preconditions a layer on a rank (see the module docstring).
 StepPath = Literal["grouped", "local", "broadcast", "sharded"]
@@ -88,29 +84,3 @@ def step_buffer_numel(layers: Sequence[StepLayer], *, world: int,
     transient = max((la.numel for la in (*per_block, *sharded)), default=0)
     return (copies * grouped + PER_BLOCK_COPIES * sum(la.numel for la in per_block) + flags
             + SHARDED_COPIES * sum(-(-la.numel // world) for la in sharded) + transient)
-
-
-def fold_numel(running: Sequence[int], batch: Sequence[int], itemsize: int) -> int:
-    """Elements the factors folded in ``step()`` hold at the fold's peak.
-
-    The batch factors (held when ``step()`` starts), the new running factors (the old
-    ones, counted with the factors, stay referenced until the fold ends) and the scaled
-    batch factors of the largest chunk (``kaisa.blocks.state.fold_all``: chunks of
-    :data:`~kaisa.blocks.state.FOLD_CHUNK_BYTES` of running factors).
-
-    Args:
-        running: Elements of each running factor folded, in fold order.
-        batch: Elements of its batch factor (dense), in the same order.
-        itemsize: Bytes per element.
-
-    Returns:
-        Number of elements.
-    """
-    chunks, size = [0], 0
-    for numel in running:
-        if size and (size + numel) * itemsize > FOLD_CHUNK_BYTES:
-            chunks.append(0)
-            size = 0
-        chunks[-1] += numel
-        size += numel
-    return sum(batch) + sum(running) + max(chunks)

@@ -196,6 +196,10 @@ class _BucketHandle:
         assert result is not None
         return result
 
+    @property
+    def done(self) -> bool:
+        return self._bucket.finished
+
 
 def _default_timeout() -> datetime.timedelta | None:
     try:
