@@ -121,23 +121,37 @@ void check_batched_eigh_args(const at::Tensor& a) {
               "a must be float32 or float64, got ", a.scalar_type());
 }
 
-void check_fold_args(const at::Tensor& running, const at::Tensor& batch, const at::Tensor& stamp,
-                     const at::Tensor& skipped) {
+void check_fold_args(at::TensorList running, at::TensorList batch, at::TensorList stamp,
+                     at::TensorList skipped) {
   const char* op = "kaisa fold: ";
-  TORCH_CHECK(running.scalar_type() == at::kFloat || running.scalar_type() == at::kDouble, op,
-              "running must be float32 or float64, got ", running.scalar_type());
-  TORCH_CHECK(batch.scalar_type() == running.scalar_type(), op,
-              "batch must have running's dtype ", running.scalar_type(), ", got ",
-              batch.scalar_type());
-  TORCH_CHECK(batch.sizes() == running.sizes(), op, "batch must have running's shape ",
-              running.sizes(), ", got ", batch.sizes());
-  TORCH_CHECK(batch.device() == running.device(), op, "batch must be on running's device ",
-              running.device(), ", got ", batch.device());
-  for (const auto& [t, name] : {std::pair{&stamp, "stamp"}, std::pair{&skipped, "skipped"}}) {
-    TORCH_CHECK(t->dim() == 0 && t->scalar_type() == at::kLong, op, name,
-                " must be a 0-d int64 tensor, got ", t->scalar_type(), " of shape ", t->sizes());
-    TORCH_CHECK(t->device() == running.device(), op, name, " must be on running's device ",
-                running.device(), ", got ", t->device());
+  const size_t count = running.size();
+  TORCH_CHECK(batch.size() == count && stamp.size() == count && skipped.size() == count, op,
+              "running, batch, stamp and skipped must be lists of one length, got ", count, ", ",
+              batch.size(), ", ", stamp.size(), " and ", skipped.size());
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& r = running[i];
+    const at::Tensor& b = batch[i];
+    TORCH_CHECK(r.scalar_type() == at::kFloat || r.scalar_type() == at::kDouble, op,
+                "running must be float32 or float64 at index ", i, ", got ", r.scalar_type());
+    TORCH_CHECK(r.scalar_type() == running[0].scalar_type(), op,
+                "running must have one dtype: ", running[0].scalar_type(), " at index 0, ",
+                r.scalar_type(), " at index ", i);
+    TORCH_CHECK(r.device() == running[0].device(), op, "running must be on one device: ",
+                running[0].device(), " at index 0, ", r.device(), " at index ", i);
+    TORCH_CHECK(b.scalar_type() == r.scalar_type(), op, "batch must have running's dtype ",
+                r.scalar_type(), " at index ", i, ", got ", b.scalar_type());
+    TORCH_CHECK(b.sizes() == r.sizes(), op, "batch must have running's shape ", r.sizes(),
+                " at index ", i, ", got ", b.sizes());
+    TORCH_CHECK(b.device() == r.device(), op, "batch must be on running's device ", r.device(),
+                " at index ", i, ", got ", b.device());
+    for (const auto& [t, name] :
+         {std::pair{&stamp[i], "stamp"}, std::pair{&skipped[i], "skipped"}}) {
+      TORCH_CHECK(t->dim() == 0 && t->scalar_type() == at::kLong, op, name,
+                  " must be a 0-d int64 tensor at index ", i, ", got ", t->scalar_type(),
+                  " of shape ", t->sizes());
+      TORCH_CHECK(t->device() == r.device(), op, name, " must be on running's device ",
+                  r.device(), " at index ", i, ", got ", t->device());
+    }
   }
 }
 
@@ -154,8 +168,8 @@ TORCH_LIBRARY(kaisa, m) {
   m.def("batched_eigh(Tensor a) -> (Tensor, Tensor)");
   m.def("batched_eigh_status(Tensor a) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "fold(Tensor running, Tensor batch, Tensor stamp, Tensor skipped, int round, "
-      "float decay, float weight) -> (Tensor, Tensor, Tensor)");
+      "fold(Tensor[] running, Tensor[] batch, Tensor[] stamp, Tensor[] skipped, int round, "
+      "float decay, float weight) -> (Tensor[], Tensor[], Tensor[])");
 }
 
 #ifdef KAISA_PYTHON_MODULE

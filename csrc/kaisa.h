@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace kaisa {
 
@@ -60,10 +61,15 @@ void check_eigen_precondition_args(const at::Tensor& grad, const at::Tensor& qa,
 // batched_eigh and batched_eigh_status: a is (n, n) or (B, n, n), float32 or float64.
 void check_batched_eigh_args(const at::Tensor& a);
 
-// fold: running and batch of one shape, float32 or float64, one dtype and device;
-// stamp and skipped 0-d int64 on that device.
-void check_fold_args(const at::Tensor& running, const at::Tensor& batch, const at::Tensor& stamp,
-                     const at::Tensor& skipped);
+// fold: lists of one length; each running float32 or float64, all of one dtype and one
+// device; each batch of its running's shape, dtype and device; each stamp and skipped
+// 0-d int64 on that device. An error names the index.
+void check_fold_args(at::TensorList running, at::TensorList batch, at::TensorList stamp,
+                     at::TensorList skipped);
+
+// What fold returns: the new running factors, stamps and skip counts.
+using FoldResult =
+    std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>;
 
 // Helper for the per-backend device check: every defined tensor must be on a
 // device of `type` (e.g. CPU kernels given a CUDA tensor).
@@ -87,11 +93,8 @@ std::tuple<at::Tensor, at::Tensor> batched_eigh(const at::Tensor& a);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batched_eigh_status(const at::Tensor& a);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fold(const at::Tensor& running,
-                                                     const at::Tensor& batch,
-                                                     const at::Tensor& stamp,
-                                                     const at::Tensor& skipped, int64_t round,
-                                                     double decay, double weight);
+FoldResult fold(at::TensorList running, at::TensorList batch, at::TensorList stamp,
+                at::TensorList skipped, int64_t round, double decay, double weight);
 
 }  // namespace cpu
 }  // namespace kaisa

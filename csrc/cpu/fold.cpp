@@ -1,11 +1,12 @@
-// CPU kernel of fold: one micro-batch factor folded into a running factor.
+// CPU kernel of fold: micro-batch factors folded into their running factors.
 //
-// Where every entry of batch is finite: out = running * s + batch * weight, with
-// s = decay unless stamp == round (the factor was scaled in this round already; then
-// s = 1), the new stamp is round and the skip count stays; else out = running and
-// the stamp stay and the count grows by one. The products and the sum are rounded
-// one at a time, as kaisa.ops._reference.fold computes them (this file is built with
-// -ffp-contract=off: no fused multiply-add). New tensors; the inputs are not modified.
+// Each tensor i of the lists on its own (running for running[i], and so on): where every
+// entry of batch is finite, out = running * s + batch * weight, with s = decay unless
+// stamp == round (the factor was scaled in this round already; then s = 1), the new
+// stamp is round and the skip count stays; else out = running and the stamp stay and
+// the count grows by one. The products and the sum are rounded one at a time, as
+// kaisa.ops._reference.fold computes them (this file is built with -ffp-contract=off: no
+// fused multiply-add). New tensors; the inputs are not modified.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -15,6 +16,8 @@
 #include <atomic>
 #include <cmath>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "../kaisa.h"
 
@@ -53,13 +56,15 @@ void scaled_sum(const scalar_t* r, const scalar_t* b, scalar_t* out, int64_t n, 
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fold(const at::Tensor& running,
-                                                     const at::Tensor& batch,
-                                                     const at::Tensor& stamp,
-                                                     const at::Tensor& skipped, int64_t round,
-                                                     double decay, double weight) {
-  check_fold_args(running, batch, stamp, skipped);
-  check_device_type(running, c10::kCPU, "fold", "running");
+namespace {
+
+// One tensor of the lists: (out, new stamp, new skipped).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_one(const at::Tensor& running,
+                                                         const at::Tensor& batch,
+                                                         const at::Tensor& stamp,
+                                                         const at::Tensor& skipped,
+                                                         int64_t round, double decay,
+                                                         double weight) {
   const at::Tensor r = running.contiguous();
   const at::Tensor b = batch.contiguous();
   const int64_t n = r.numel();
@@ -80,6 +85,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fold(const at::Tensor& running,
     return {out, stamp.clone(), skipped + 1};
   }
   return {out, at::full({}, round, stamp.options()), skipped.clone()};
+}
+
+}  // namespace
+
+FoldResult fold(at::TensorList running, at::TensorList batch, at::TensorList stamp,
+                at::TensorList skipped, int64_t round, double decay, double weight) {
+  check_fold_args(running, batch, stamp, skipped);
+  FoldResult result;
+  std::vector<at::Tensor>& outs = std::get<0>(result);
+  std::vector<at::Tensor>& stamps = std::get<1>(result);
+  std::vector<at::Tensor>& counts = std::get<2>(result);
+  for (size_t i = 0; i < running.size(); ++i) {
+    check_device_type(running[i], c10::kCPU, "fold", "running");
+    auto [out, new_stamp, new_skipped] =
+        fold_one(running[i], batch[i], stamp[i], skipped[i], round, decay, weight);
+    outs.push_back(std::move(out));
+    stamps.push_back(std::move(new_stamp));
+    counts.push_back(std::move(new_skipped));
+  }
+  return result;
 }
 
 }  // namespace kaisa::cpu

@@ -1,16 +1,22 @@
-// CUDA kernels of fold: one micro-batch factor folded into a running factor.
+// CUDA kernels of fold: micro-batch factors folded into their running factors.
 //
-// The semantics are kaisa.ops._reference.fold's (csrc/cpu/fold.cpp): where every
-// entry of batch is finite, out = running * s + batch * weight with s = decay unless
-// stamp == round (then s = 1), the stamp becomes round; else out = running and the
-// skip count grows by one. No host synchronisation: a zeroed flag (one fill), a
-// grid-stride kernel that sets it on a non-finite entry of batch, and the update kernel,
-// which reads the flag and the stamp on the device (its first thread writes the new
-// stamp and count). Products and sums are rounded one at a time (__fmul_rn,
-// __fadd_rn: no fused multiply-add), as the reference and the CPU kernel round them.
+// The semantics are kaisa.ops._reference.fold's (csrc/cpu/fold.cpp), for each tensor i
+// of the lists on its own: where every entry of batch[i] is finite, out = running[i] *
+// s + batch[i] * weight with s = decay unless stamp[i] == round (then s = 1), the stamp
+// becomes round; else out = running[i] and the skip count grows by one. No host
+// synchronisation, and a constant number of launches for up to kChunk tensors: one fill
+// zeroes a flag per tensor, a multi-tensor grid-stride kernel sets a tensor's flag on a
+// non-finite entry of its batch, and the multi-tensor update kernel reads the flag and
+// the stamp on the device (the first thread of a tensor writes its new stamp and count).
+// The tensors' pointers and sizes go by value in a FoldChunk (Apex's multi_tensor_apply
+// style): blockIdx.y is the tensor within the chunk, x strides over its elements; longer
+// lists take two launches per kChunk tensors. Products and sums are rounded one at a
+// time (__fmul_rn, __fadd_rn: no fused multiply-add), as the reference and the CPU
+// kernel round them.
 
 #include <algorithm>
 #include <tuple>
+#include <vector>
 
 #include "common.cuh"
 
@@ -18,7 +24,7 @@ namespace kaisa::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// At most this many blocks: the grid-stride loops cover the rest.
+// At most this many blocks along x (per tensor): the grid-stride loops cover the rest.
 constexpr int64_t kMaxBlocks = 4096;
 
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
@@ -26,32 +32,53 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
-// flag[0] = 1 when an entry of b is not finite (every writer writes 1).
+// Tensors per launch: their pointers and sizes travel by value in the kernel arguments.
+constexpr int kChunk = 8;
+
+// Up to kChunk tensors of one fold call (slots past the chunk's size are null).
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    nonfinite_kernel(const T* __restrict__ b, int64_t n, int* __restrict__ flag) {
+struct FoldChunk {
+  const T* r[kChunk];
+  const T* b[kChunk];
+  T* out[kChunk];
+  int64_t n[kChunk];
+  const int64_t* stamp[kChunk];
+  const int64_t* skipped[kChunk];
+  int64_t* new_stamp[kChunk];
+  int64_t* new_skipped[kChunk];
+  int* flag;  // one per tensor of the chunk: 1 when its batch has a non-finite entry
+};
+
+// flag[t] = 1 when an entry of b[t] is not finite (every writer writes 1); t = blockIdx.y.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) nonfinite_kernel(FoldChunk<T> c) {
+  const int t = static_cast<int>(blockIdx.y);
+  const T* __restrict__ b = c.b[t];
+  const int64_t n = c.n[t];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     if (!isfinite(b[i])) {
-      *flag = 1;
+      c.flag[t] = 1;
     }
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    fold_kernel(const T* __restrict__ r, const T* __restrict__ b, T* __restrict__ out, int64_t n,
-                const int* __restrict__ flag, const int64_t* __restrict__ stamp,
-                const int64_t* __restrict__ skipped, int64_t* __restrict__ new_stamp,
-                int64_t* __restrict__ new_skipped, int64_t round, T decay, T weight) {
-  const bool bad = *flag != 0;
-  const bool scale = *stamp != round;
+    fold_kernel(FoldChunk<T> c, int64_t round, T decay, T weight) {
+  const int t = static_cast<int>(blockIdx.y);
+  const T* __restrict__ r = c.r[t];
+  const T* __restrict__ b = c.b[t];
+  T* __restrict__ out = c.out[t];
+  const int64_t n = c.n[t];
+  const bool bad = c.flag[t] != 0;
+  const bool scale = *c.stamp[t] != round;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (first == 0) {
-    *new_stamp = bad ? *stamp : round;
-    *new_skipped = *skipped + (bad ? 1 : 0);
+    *c.new_stamp[t] = bad ? *c.stamp[t] : round;
+    *c.new_skipped[t] = *c.skipped[t] + (bad ? 1 : 0);
   }
   for (int64_t i = first; i < n; i += stride) {
     if (bad) {
@@ -63,40 +90,60 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_cuda(const at::Tensor& running,
-                                                          const at::Tensor& batch,
-                                                          const at::Tensor& stamp,
-                                                          const at::Tensor& skipped,
-                                                          int64_t round, double decay,
-                                                          double weight) {
+FoldResult fold_cuda(at::TensorList running, at::TensorList batch, at::TensorList stamp,
+                     at::TensorList skipped, int64_t round, double decay, double weight) {
   check_fold_args(running, batch, stamp, skipped);
-  check_device_type(running, c10::kCUDA, "fold", "running");
-  const c10::cuda::CUDAGuard guard(running.device());
-  const at::Tensor r = running.contiguous();
-  const at::Tensor b = batch.contiguous();
-  const int64_t n = r.numel();
-  at::Tensor out = at::empty_like(r, at::MemoryFormat::Contiguous);
-  at::Tensor new_stamp = at::empty_like(stamp);
-  at::Tensor new_skipped = at::empty_like(skipped);
-  at::Tensor flag = at::zeros({1}, r.options().dtype(at::kInt));
-  const int blocks = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(n, kThreads), kMaxBlocks)));
+  FoldResult result;
+  const int64_t count = static_cast<int64_t>(running.size());
+  if (count == 0) {
+    return result;
+  }
+  check_device_type(running[0], c10::kCUDA, "fold", "running");  // one device for all
+  const c10::cuda::CUDAGuard guard(running[0].device());
+  // Named references, not structured bindings: a lambda (C++17) cannot capture those.
+  std::vector<at::Tensor>& outs = std::get<0>(result);
+  std::vector<at::Tensor>& stamps = std::get<1>(result);
+  std::vector<at::Tensor>& counts = std::get<2>(result);
+  std::vector<at::Tensor> rs;
+  std::vector<at::Tensor> bs;
+  for (int64_t i = 0; i < count; ++i) {
+    rs.push_back(running[i].contiguous());
+    bs.push_back(batch[i].contiguous());
+    outs.push_back(at::empty_like(rs.back(), at::MemoryFormat::Contiguous));
+    stamps.push_back(at::empty_like(stamp[i]));
+    counts.push_back(at::empty_like(skipped[i]));
+  }
+  at::Tensor flags = at::zeros({count}, rs[0].options().dtype(at::kInt));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(r.scalar_type(), "kaisa_fold_cuda", [&] {
-    if (n > 0) {
-      nonfinite_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-          b.const_data_ptr<scalar_t>(), n, flag.mutable_data_ptr<int>());
+  AT_DISPATCH_FLOATING_TYPES(rs[0].scalar_type(), "kaisa_fold_cuda", [&] {
+    for (int64_t first = 0; first < count; first += kChunk) {
+      const int size = static_cast<int>(std::min<int64_t>(kChunk, count - first));
+      FoldChunk<scalar_t> c{};
+      int64_t most = 0;
+      for (int j = 0; j < size; ++j) {
+        const int64_t i = first + j;
+        c.r[j] = rs[i].const_data_ptr<scalar_t>();
+        c.b[j] = bs[i].const_data_ptr<scalar_t>();
+        c.out[j] = outs[i].mutable_data_ptr<scalar_t>();
+        c.n[j] = rs[i].numel();
+        c.stamp[j] = stamp[i].const_data_ptr<int64_t>();
+        c.skipped[j] = skipped[i].const_data_ptr<int64_t>();
+        c.new_stamp[j] = stamps[i].mutable_data_ptr<int64_t>();
+        c.new_skipped[j] = counts[i].mutable_data_ptr<int64_t>();
+        most = std::max(most, c.n[j]);
+      }
+      c.flag = flags.mutable_data_ptr<int>() + first;
+      const dim3 grid(static_cast<unsigned>(std::max<int64_t>(
+                          1, std::min<int64_t>(ceil_div<int64_t>(most, kThreads), kMaxBlocks))),
+                      static_cast<unsigned>(size));
+      nonfinite_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(c);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      fold_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+          c, round, static_cast<scalar_t>(decay), static_cast<scalar_t>(weight));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    fold_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-        r.const_data_ptr<scalar_t>(), b.const_data_ptr<scalar_t>(),
-        out.mutable_data_ptr<scalar_t>(), n, flag.const_data_ptr<int>(),
-        stamp.const_data_ptr<int64_t>(), skipped.const_data_ptr<int64_t>(),
-        new_stamp.mutable_data_ptr<int64_t>(), new_skipped.mutable_data_ptr<int64_t>(), round,
-        static_cast<scalar_t>(decay), static_cast<scalar_t>(weight));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {out, new_stamp, new_skipped};
+  return result;
 }
 
 }  // namespace

@@ -178,21 +178,42 @@ class RunningFactors:
             self.g, self.skipped_g = _fold(start, self.stored(Side.G, g_batch), rho,
                                            self.skipped_g)
 
-    def fold_micro(self, side: Side, batch: torch.Tensor, *, rho: float, weight: float,
-                   round_: int, zero_start: bool = False) -> None:
-        """Folds one micro-batch factor: ``F <- s F + weight * F_mb``, or skips it.
+    def fold_micro(self, a_batch: torch.Tensor | None, g_batch: torch.Tensor | None, *,
+                   rho: float, weight: float, round_: int, zero_start: bool = False) -> None:
+        """Folds one micro-batch's factors: ``F <- s F + weight * F_mb``, or skips them.
 
         ``s`` is ``rho`` at the first finite micro-batch factor of fold round ``round_``
         (one factor-update step) and 1 after it, so the step's folds give
-        ``rho F + weight * sum(F_mb)``; a non-finite ``batch`` leaves ``F`` as it was and is
-        counted (``docs/conventions.md``, "Folding statistics where they are computed").
-        A factor that does not exist yet (or changed shape, dtype or device) starts as
-        :meth:`fold` starts it. One :func:`kaisa.ops.fold` call, no host synchronisation.
+        ``rho F + weight * sum(F_mb)``; a non-finite factor leaves its ``F`` as it was and
+        is counted, each side on its own (``docs/conventions.md``, "Folding statistics
+        where they are computed"). A factor that does not exist yet (or changed shape,
+        dtype or device) starts as :meth:`fold` starts it. Both sides (``None``: no
+        batch) in one :func:`kaisa.ops.fold_many` call (one per dtype and device, should
+        they differ), no host synchronisation.
         """
+        sides = [(side, batch) for side, batch in ((Side.A, a_batch), (Side.G, g_batch))
+                 if batch is not None]
+        args = [self._fold_args(side, batch, zero_start) for side, batch in sides]
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, (_, batch, _, _) in enumerate(args):
+            groups.setdefault((batch.device, batch.dtype), []).append(i)
+        for members in groups.values():
+            running, stamp, skipped = ops.fold_many(
+                *([args[i][k] for i in members] for k in range(4)),
+                round_=round_, decay=rho, weight=weight)
+            for i, r, st, sk in zip(members, running, stamp, skipped, strict=True):
+                if sides[i][0] is Side.A:
+                    self.a, self.stamp_a, self.skipped_a = r, st, sk
+                else:
+                    self.g, self.stamp_g, self.skipped_g = r, st, sk
+
+    def _fold_args(self, side: Side, dense: torch.Tensor, zero_start: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(running, batch, stamp, skipped)`` of ``side`` for :meth:`fold_micro`."""
         running = self.a if side is Side.A else self.g
         skipped = self.skipped_a if side is Side.A else self.skipped_g
         stamp = self.stamp_a if side is Side.A else self.stamp_g
-        dense, batch = batch, self.stored(side, batch)
+        batch = self.stored(side, dense)
         if (running is None or running.shape != batch.shape or running.dtype != batch.dtype
                 or running.device != batch.device):
             running = self.stored(side, _initial(dense, side in self.diagonal_sides, zero_start))
@@ -200,12 +221,7 @@ class RunningFactors:
             skipped = torch.zeros((), dtype=torch.int64, device=batch.device)
         if stamp is None or stamp.device != batch.device:
             stamp = torch.full((), -1, dtype=torch.int64, device=batch.device)
-        running, stamp, skipped = ops.fold(running, batch, stamp, skipped, round_=round_,
-                                           decay=rho, weight=weight)
-        if side is Side.A:
-            self.a, self.stamp_a, self.skipped_a = running, stamp, skipped
-        else:
-            self.g, self.stamp_g, self.skipped_g = running, stamp, skipped
+        return running, batch, stamp, skipped
 
     @property
     def skipped(self) -> int:

@@ -81,19 +81,19 @@ class FactorFolding:
         """Folds the step's batch factors averaged over ranks, as they arrive.
 
         Each weighs ``1 - rho`` (they are the step's: every micro-batch, every rank); the
-        same arithmetic as ``step()``'s fold, one :func:`kaisa.ops.fold` per side.
+        same arithmetic as ``step()``'s fold, one :func:`kaisa.ops.fold_many` call per
+        block (both sides).
         """
         decay = self.decay
         if not averages:
             return
         assert decay is not None, "averages to fold arrived while no step records"
         for name, (a_batch, g_batch) in averages.items():
-            factors = blocks[name].factors
-            for side, batch in ((Side.A, a_batch), (Side.G, g_batch)):
-                if batch is not None:
-                    factors.fold_micro(side, batch, rho=decay, weight=1.0 - decay,
-                                       round_=self.round, zero_start=self.zero_start)
-                    self.folded = True
+            if a_batch is None and g_batch is None:
+                continue
+            blocks[name].factors.fold_micro(a_batch, g_batch, rho=decay, weight=1.0 - decay,
+                                            round_=self.round, zero_start=self.zero_start)
+            self.folded = True
 
     def fold(self, block: CurvatureBlock, *, whole_step: bool = False) -> None:
         """Folds what ``block`` recorded (one micro-batch's statistics) into its factors.
@@ -109,13 +109,13 @@ class FactorFolding:
         compute_saved(block)
         a_batch, g_batch = stats.take()
         weight = (1.0 - decay) if whole_step else (1.0 - decay) / self._k
-        for side, batch in ((Side.A, a_batch), (Side.G, g_batch)):
-            if batch is None:
-                continue
-            block.factors.fold_micro(side, batch, rho=decay, weight=weight, round_=self.round,
-                                     zero_start=self.zero_start)
-            stats.folded.add(side)
-            self.folded = True
+        if a_batch is None and g_batch is None:
+            return
+        block.factors.fold_micro(a_batch, g_batch, rho=decay, weight=weight, round_=self.round,
+                                 zero_start=self.zero_start)  # both sides in one call
+        stats.folded.update(side for side, batch in ((Side.A, a_batch), (Side.G, g_batch))
+                            if batch is not None)
+        self.folded = True
 
     def leftovers(self, blocks: Iterable[CurvatureBlock], *, whole_step: bool = False) -> None:
         """:meth:`fold` of every folding block that holds statistics."""

@@ -65,8 +65,9 @@ __all__ = [
     "eigh_checks_finite",
     "eigh_status",
     "extension_available",
-    "fold",
     "extension_error",
+    "fold",
+    "fold_many",
     "kernels",
     "prescaled",
     "rescaled",
@@ -441,7 +442,7 @@ def fold(
     stamp becomes ``round_``; else ``running`` and the stamp stay and ``skipped`` grows by
     one (``docs/conventions.md``, "Folding statistics where they are computed"). No host
     synchronisation: the flags stay on the device. The products and the sum are rounded
-    one at a time on every backend.
+    one at a time on every backend. :func:`fold_many` folds several factors in one call.
 
     Args:
         running: The running factor (any shape, floating point).
@@ -459,20 +460,72 @@ def fold(
         TypeError: If ``running`` is not floating point.
         ValueError: If the shapes, dtypes or devices do not match.
     """
-    _check_fold_args(running, batch, stamp, skipped)
+    lists = _check_fold_args([running], [batch], [stamp], [skipped], listed=False)
+    (out,), (new_stamp,), (new_skipped,) = _fold_lists(*lists, round_, decay, weight)
+    return out, new_stamp, new_skipped
+
+
+def fold_many(
+    running: Sequence[torch.Tensor], batch: Sequence[torch.Tensor],
+    stamp: Sequence[torch.Tensor], skipped: Sequence[torch.Tensor],
+    *, round_: int, decay: float, weight: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`fold` of several factors in one operator call (each on its own).
+
+    Tensor ``i`` of the results is :func:`fold` of tensor ``i`` of each list, bit for bit:
+    one factor may be skipped (and counted) while another is folded. On CUDA the call is a
+    constant number of kernel launches for up to 8 factors (a fill of the flags, one
+    finiteness kernel and one update kernel over all of them; two more kernels per 8
+    further factors), with no host synchronisation.
+
+    Args:
+        running: The running factors (any shapes; floating point, one dtype and device).
+        batch: The micro-batch factors, each of its running factor's shape, dtype and
+            device.
+        stamp: 0-d int64 each: the round in which its running factor was last scaled.
+        skipped: 0-d int64 each: the count of non-finite factors skipped.
+        round_: The current fold round.
+        decay: ``rho``.
+        weight: What each batch factor is multiplied by.
+
+    Returns:
+        New ``(running, stamp, skipped)`` lists (the inputs are not modified).
+
+    Raises:
+        TypeError: If an argument is not a list of tensors or a running factor is not
+            floating point.
+        ValueError: If the lengths differ, or the shapes, dtypes or devices do not match
+            (the message names the index).
+    """
+    lists = _check_fold_args(running, batch, stamp, skipped)
+    return _fold_lists(*lists, round_, decay, weight)
+
+
+def _fold_lists(
+    running: list[torch.Tensor], batch: list[torch.Tensor], stamp: list[torch.Tensor],
+    skipped: list[torch.Tensor], round_: int, decay: float, weight: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """One ``kaisa::fold`` call for checked lists (the reference for other dtypes)."""
+    if not running:
+        return [], [], []  # no tensor to dispatch on
     args = (running, batch, stamp, skipped, int(round_), float(decay), float(weight))
-    if running.dtype in (torch.float32, torch.float64) and _use_ext("fold", running.device):
-        return torch.ops.kaisa.fold(*args)  # type: ignore[no-any-return]
-    return _reference.fold(*args)
+    if running[0].dtype in (torch.float32, torch.float64) and _use_ext("fold", running[0].device):
+        outs, stamps, counts = torch.ops.kaisa.fold(*args)
+        return list(outs), list(stamps), list(counts)
+    return _reference.fold_many(*args)
 
 
 @_fake("fold")
-def _fold_fake(running: torch.Tensor, batch: torch.Tensor, stamp: torch.Tensor,
-               skipped: torch.Tensor, round_: int, decay: float, weight: float,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _require(batch.shape == running.shape, lambda: "kaisa fold: batch must match running")
-    return (torch.empty_like(running, memory_format=torch.contiguous_format),
-            torch.empty_like(stamp), torch.empty_like(skipped))
+def _fold_fake(running: list[torch.Tensor], batch: list[torch.Tensor],
+               stamp: list[torch.Tensor], skipped: list[torch.Tensor], round_: int,
+               decay: float, weight: float,
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    _require(len(batch) == len(running) == len(stamp) == len(skipped),
+             lambda: "kaisa fold: running, batch, stamp and skipped must be of one length")
+    for r, b in zip(running, batch, strict=True):
+        _require(b.shape == r.shape, lambda: "kaisa fold: batch must match running")
+    return ([torch.empty_like(r, memory_format=torch.contiguous_format) for r in running],
+            [torch.empty_like(t) for t in stamp], [torch.empty_like(t) for t in skipped])
 
 
 OPS: tuple[str, ...] = tuple(_FAKES)

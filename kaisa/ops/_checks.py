@@ -168,19 +168,42 @@ def _check_eigen_args(
             raise ValueError(f"{name} is on {t.device} but grad is on {g.device}")
 
 
-def _check_fold_args(running: object, batch: object, stamp: object, skipped: object) -> None:
-    """The contract of :func:`kaisa.ops.fold` (``csrc/kaisa.cpp``'s ``check_fold_args``)."""
-    r = _check_tensor(running, "running")
-    b = _check_tensor(batch, "batch")
-    if not r.is_floating_point():
-        raise TypeError(f"running must have a floating point dtype, got {r.dtype}")
-    if b.dtype != r.dtype or b.shape != r.shape or b.device != r.device:
-        raise ValueError(f"batch must have running's shape, dtype and device "
-                         f"{tuple(r.shape)}, {r.dtype}, {r.device}; got {tuple(b.shape)}, "
-                         f"{b.dtype}, {b.device}")
-    for t, name in ((stamp, "stamp"), (skipped, "skipped")):
-        c = _check_tensor(t, name)
-        if c.dim() != 0 or c.dtype != torch.int64 or c.device != r.device:
-            raise ValueError(f"{name} must be a 0-d int64 tensor on {r.device}, got "
-                             f"{c.dtype} of shape {tuple(c.shape)} on {c.device}")
+def _check_fold_args(
+    running: object, batch: object, stamp: object, skipped: object, *, listed: bool = True,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The contract of :func:`kaisa.ops.fold_many` (``csrc/kaisa.cpp``'s ``check_fold_args``).
 
+    Lists (or tuples) of one length; each running factor floating point, all of one dtype
+    and one device; each batch of its running factor's shape, dtype and device; each stamp
+    and count a 0-d int64 tensor on that device. A message names the index when
+    ``listed`` (``False``: :func:`kaisa.ops.fold`'s single tensors).
+
+    Returns:
+        The four lists.
+    """
+    lists: list[list[torch.Tensor]] = []
+    for value, name in ((running, "running"), (batch, "batch"), (stamp, "stamp"),
+                        (skipped, "skipped")):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list of tensors, got {type(value).__name__}")
+        lists.append([_check_tensor(t, name) for t in value])
+    rs, bs, ss, ks = lists
+    if not len(rs) == len(bs) == len(ss) == len(ks):
+        raise ValueError(f"running, batch, stamp and skipped must be lists of one length, got "
+                         f"{len(rs)}, {len(bs)}, {len(ss)} and {len(ks)}")
+    for i, (r, b, st, sk) in enumerate(zip(rs, bs, ss, ks, strict=True)):
+        at = f" at index {i}" if listed else ""
+        if not r.is_floating_point():
+            raise TypeError(f"running must have a floating point dtype{at}, got {r.dtype}")
+        if r.dtype != rs[0].dtype or r.device != rs[0].device:
+            raise ValueError(f"running must have one dtype and one device: {rs[0].dtype} on "
+                             f"{rs[0].device} at index 0, {r.dtype} on {r.device}{at}")
+        if b.dtype != r.dtype or b.shape != r.shape or b.device != r.device:
+            raise ValueError(f"batch must have running's shape, dtype and device "
+                             f"{tuple(r.shape)}, {r.dtype}, {r.device}{at}; got "
+                             f"{tuple(b.shape)}, {b.dtype}, {b.device}")
+        for c, name in ((st, "stamp"), (sk, "skipped")):
+            if c.dim() != 0 or c.dtype != torch.int64 or c.device != r.device:
+                raise ValueError(f"{name} must be a 0-d int64 tensor on {r.device}{at}, got "
+                                 f"{c.dtype} of shape {tuple(c.shape)} on {c.device}")
+    return rs, bs, ss, ks

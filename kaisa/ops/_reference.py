@@ -26,6 +26,7 @@ __all__ = [
     "eigh",
     "eigh_status",
     "fold",
+    "fold_many",
 ]
 
 
@@ -205,3 +206,14 @@ def fold(
             torch.where(finite, torch.full_like(stamp, round_), stamp),
             skipped + (~finite).to(skipped.dtype))
 
+
+def fold_many(
+    running: list[torch.Tensor], batch: list[torch.Tensor], stamp: list[torch.Tensor],
+    skipped: list[torch.Tensor], round_: int, decay: float, weight: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`fold` of each tensor of the lists (see :func:`kaisa.ops.fold_many`)."""
+    outs: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+    for r, b, st, sk in zip(running, batch, stamp, skipped, strict=True):
+        for out, t in zip(outs, fold(r, b, st, sk, round_, decay, weight), strict=True):
+            out.append(t)
+    return outs

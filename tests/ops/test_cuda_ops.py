@@ -538,6 +538,16 @@ FOLD_CASES = [(shape, stamp, bad) for shape in [(1, 1, 1), (3, 7, 7), (0, 4, 4)]
               for stamp, bad in FOLD_BRANCHES] + [((2, 1100, 1000), -1, None)]
 
 
+def _fold_lists(backend: Backend, running: list[torch.Tensor], batch: list[torch.Tensor],
+                stamp: list[torch.Tensor], skipped: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The list op on device copies; its three result lists flattened (one tuple)."""
+    dev = backend.to_device
+    outs = backend.ops().fold([dev(t) for t in running], [dev(t) for t in batch],
+                              [dev(t) for t in stamp], [dev(t) for t in skipped], 4, 0.95,
+                              0.05 / 3)
+    return tuple(t for ts in outs for t in ts)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("shape", "stamp", "bad"), FOLD_CASES, ids=str)
 def test_fold(backend: Backend, dtype: torch.dtype, shape: tuple[int, ...], stamp: int,
@@ -548,19 +558,67 @@ def test_fold(backend: Backend, dtype: torch.dtype, shape: tuple[int, ...], stam
     if bad is not None and batch.numel():
         batch.view(-1)[-1] = bad  # the last element: the grid-stride loop's far end
     st, sk = torch.tensor(stamp), torch.tensor(7)
-    dev = backend.to_device
-    runs = _runs(backend, lambda: backend.ops().fold(dev(running), dev(batch), dev(st), dev(sk),
-                                                     4, 0.95, 0.05 / 3))
+    runs = _runs(backend, lambda: _fold_lists(backend, [running], [batch], [st], [sk]))
     want = ref.fold(running, batch, st, sk, 4, 0.95, 0.05 / 3)
     for got in runs:
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g.cpu(), w), (g, w)
 
 
+# A block's two sides (A not finite, G folded), a list of mixed shapes (one empty, one
+# non-contiguous), and lists longer than the kernels' chunk of 8 tensors (two launches each
+# of the finiteness and update kernels; the second chunk partly full, or full).
+FOLD_LISTS = {
+    "a_and_g": [(1, 9, 9), (1, 4, 4)],
+    "mixed": [(3, 7, 7), (0, 4, 4), (5,), (2, 33), (1, 30, 30)],
+    "11": [(2, k % 4 + 1, k % 4 + 1) for k in range(11)],
+    "16": [(k % 3 + 1, 3) for k in range(16)],
+}
+FOLD_LIST_BRANCHES = [(-1, math.nan), (4, None), (-1, None), (4, math.inf), (-1, -math.inf)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", list(FOLD_LISTS))
+def test_fold_lists(backend: Backend, dtype: torch.dtype, name: str) -> None:
+    """Each tensor bit for bit its own reference fold, in one fill and two launches a chunk."""
+    running, batch, stamps, counts = [], [], [], []
+    for i, shape in enumerate(FOLD_LISTS[name]):
+        stamp, bad = FOLD_LIST_BRANCHES[i % len(FOLD_LIST_BRANCHES)]
+        r, b = _rand(shape, dtype), _rand(shape, dtype)
+        if bad is not None and b.numel():
+            b.view(-1)[-1] = bad
+        if i == 3 and name == "mixed":
+            r, b = r.t(), b.t()  # non-contiguous
+        running.append(r)
+        batch.append(b)
+        stamps.append(torch.tensor(stamp))
+        counts.append(torch.tensor(i))
+    runs = _runs(backend, lambda: _fold_lists(backend, running, batch, stamps, counts))
+    want = [ref.fold(r.contiguous(), b.contiguous(), st, sk, 4, 0.95, 0.05 / 3)
+            for r, b, st, sk in zip(running, batch, stamps, counts, strict=True)]
+    n = len(running)
+    for got in runs:
+        assert len(got) == 3 * n
+        for i, w in enumerate(want):
+            for g, wt in zip(got[i::n], w, strict=True):
+                assert torch.equal(g.cpu(), wt), (i, g, wt)
+                assert g.is_contiguous()
+    if backend.emulated:
+        chunks = [min(8, n - first) for first in range(0, n, 8)]
+        for kernel in ("nonfinite_kernel", "fold_kernel"):
+            assert [y for _, y, _ in backend.launches(kernel)] == chunks, kernel
+
+
 def test_fold_rejects_bad_arguments(backend: Backend) -> None:
     dev = backend.to_device
     r, st = dev(torch.ones(2, 3, 3)), dev(torch.tensor(0))
     with pytest.raises(RuntimeError, match="kaisa fold: batch must have running's shape"):
-        backend.ops().fold(r, dev(torch.ones(2, 3)), st, st, 0, 0.9, 0.1)
-    with pytest.raises(RuntimeError, match="skipped must be a 0-d int64"):
-        backend.ops().fold(r, r, st, dev(torch.zeros(1, dtype=torch.int64)), 0, 0.9, 0.1)
+        backend.ops().fold([r], [dev(torch.ones(2, 3))], [st], [st], 0, 0.9, 0.1)
+    with pytest.raises(RuntimeError, match="skipped must be a 0-d int64 tensor at index 1"):
+        backend.ops().fold([r, r], [r, r], [st, st], [st, dev(torch.zeros(1, dtype=torch.int64))],
+                           0, 0.9, 0.1)
+    with pytest.raises(RuntimeError, match="must be lists of one length, got 2, 1, 2 and 2"):
+        backend.ops().fold([r, r], [r], [st, st], [st, st], 0, 0.9, 0.1)
+    with pytest.raises(RuntimeError, match="running must have one dtype: Float at index 0"):
+        r64 = dev(torch.ones(2, 3, 3, dtype=torch.float64))
+        backend.ops().fold([r, r64], [r, r64], [st, st], [st, st], 0, 0.9, 0.1)
