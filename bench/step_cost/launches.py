@@ -51,7 +51,8 @@ from kaisa.train.models.gpt import gpt
 #: ``eigen_precondition`` four cuBLAS GEMMs and its scaling kernel; a covariance its fused
 #: kernel (and on CUDA the ``aminmax`` of its overflow guard, which on the CPU is a call
 #: of its own, counted there); ``batched_eigh`` one solver call (more for large or mixed
-#: batches).
+#: batches); ``fold`` a fill of its flags and its two multi-tensor kernels (for up to 8
+#: factors a call: a block's A and G are one call).
 KAISA_LAUNCHES = {"kaisa.eigen_precondition": 5, "kaisa.covariance": 1,
                   "kaisa.conv_covariance": 1, "kaisa.batched_eigh": 1,
                   "kaisa.batched_eigh_status": 1, "kaisa.fold": 3}
