@@ -1,9 +1,15 @@
-"""fold_all: many blocks' running averages in a few multi-tensor calls, bit for bit as one by one."""
+"""fold_all: many blocks' running averages in a few multi-tensor calls, bit for bit as one by one.
+
+``RunningFactors.fold_micro``: a block's A and G micro-batch factors in one
+``kaisa.ops.fold_many`` call, each side bit for bit as folded on its own.
+"""
 
 from __future__ import annotations
 
 import collections
 import copy
+import math
+from typing import Any
 
 import pytest
 import torch
@@ -127,3 +133,40 @@ def test_finite_each_equals_all_finite_per_tensor(dtype: torch.dtype) -> None:
     mixed = [*ts, torch.tensor([float("inf")], dtype=torch.float64)]
     for case in (ts, mixed, ts[:1]):
         assert finite_each(case).tolist() == [bool(all_finite(t)) for t in case]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fold_micro_folds_both_sides_in_one_call_each_on_its_own(
+        packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int] = []
+    fold_many = state.ops.fold_many
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(args[0]))
+        return fold_many(*args, **kwargs)
+
+    monkeypatch.setattr(state.ops, "fold_many", counted)
+    gen = torch.Generator().manual_seed(5)
+    both, apart = RunningFactors(packed=packed), RunningFactors(packed=packed)
+    nan = torch.full((1, 4, 4), math.nan)
+    steps: list[tuple[int, torch.dtype, torch.dtype, bool]] = [  # round, A, G dtype, G bad
+        (0, torch.float32, torch.float32, False),  # both start from the identity
+        (0, torch.float32, torch.float32, True),  # later in the round; G skipped, A folded
+        (1, torch.float32, torch.float32, False),  # a new round: both scaled
+        (2, torch.float64, torch.float32, False),  # A restarts in float64: two calls
+    ]
+    for round_, a_dtype, g_dtype, g_bad in steps:
+        a = (lambda x: x @ x.mT)(torch.randn(1, 3, 3, generator=gen)).to(a_dtype)
+        g = nan if g_bad else (lambda x: x @ x.mT)(torch.randn(1, 4, 4, generator=gen))
+        g = g.to(g_dtype)
+        sizes.clear()
+        both.fold_micro(a, g, rho=0.9, weight=0.05, round_=round_)
+        assert sizes == ([2] if a_dtype == g_dtype else [1, 1])
+        apart.fold_micro(a, None, rho=0.9, weight=0.05, round_=round_)
+        apart.fold_micro(None, g, rho=0.9, weight=0.05, round_=round_)
+        for name in ("a", "g", "stamp_a", "stamp_g", "skipped_a", "skipped_g"):
+            got, want = getattr(both, name), getattr(apart, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), (round_, name)
+    assert both.a is not None and both.a.dtype == torch.float64
+    assert int(both.skipped_g) == 1 and int(both.skipped_a) == 0  # type: ignore[arg-type]
+    assert both.dense(Side.G) is not None and both.dense(Side.G).shape == (1, 4, 4)
