@@ -140,7 +140,7 @@ def _run(model_name: str, stream: bool) -> dict[str, Any]:
         held = held_storages(pre, model)
         params = list(model.parameters())
 
-        def exclude(ps: list[torch.Tensor] = params) -> set[int]:
+        def exclude(ps: list[torch.nn.Parameter] = params) -> set[int]:
             return step_memory.model_storages(ps)
 
         peak = step_memory.StepPeak(held, exclude)
