@@ -288,9 +288,11 @@ class KFACCurvature:
 
         The recorded micro-batches are folded into the running factors where they are
         computed, with the step's decay ``rho`` (``docs/conventions.md``, "Folding
-        statistics where they are computed"); :meth:`update_factors` then averages the
-        running factors over ranks. Blocks whose running factors some ranks do not hold
-        (FSDP2) or whose uses are combined (a tied weight) keep batch factors until then.
+        statistics where they are computed"), and the running factors are averaged over
+        ranks by the end of the backward pass. Blocks whose running factors some ranks do
+        not hold (FSDP2) have their averaged batch factors folded on the ranks that hold
+        them as they arrive; those whose uses are combined (a tied weight) keep batch
+        factors until :meth:`update_factors`.
 
         Args:
             recording: Whether to record (a factor-update step).
