@@ -62,6 +62,9 @@ class FactorAverages:
         self._sym = symmetry_aware
         self._waiting = waiting
         self._pending: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
+        # This rank's reduces of the blocks it holds whose averages fold on arrival, in the
+        # order they were started.
+        self._arriving: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
         # Running factors folded in the hooks, averaged over ranks (every rank holds them).
         self._running: dict[str, tuple[CommHandle | None, CommHandle | None]] = {}
         # Reduces to other ranks that this rank contributes to (waited, results dropped).
@@ -125,8 +128,11 @@ class FactorAverages:
                 None if g_batch is None else comm.allreduce_mean(g_batch, symmetric=sym_g),
             )
             return
-        self._pending[layer.name] = (
-            self._reduce(a_batch, holders, sym_a), self._reduce(g_batch, holders, sym_g))
+        mine = (self._reduce(a_batch, holders, sym_a), self._reduce(g_batch, holders, sym_g))
+        if not layer.stats.fold_average:
+            self._pending[layer.name] = mine
+        elif mine != (None, None):  # this rank holds the block: fold the average on arrival
+            self._arriving[layer.name] = mine
 
     def _reduce(self, batch: torch.Tensor | None, holders: tuple[int, ...], symmetric: bool,
                 ) -> CommHandle | None:
@@ -147,20 +153,21 @@ class FactorAverages:
 
         Those of the blocks whose statistics fold on arrival
         (:attr:`~kaisa.blocks.state.BatchStatistics.fold_average`: under FSDP2, a block
-        whose running factors only some ranks hold); this rank's, on a rank that holds
-        them (elsewhere the entry is dropped). They are no longer kept here.
+        whose running factors only some ranks hold), on a rank that holds them. They are
+        no longer kept here.
 
         Returns:
             ``name -> (A, G)`` averaged batch factors (``None`` for a side not recorded).
         """
         out: dict[str, FactorPair] = {}
-        for name, (ha, hg) in list(self._pending.items()):
-            if not self._layers[name].stats.fold_average or not all(
-                    h is None or h.done for h in (ha, hg)):
-                continue
-            del self._pending[name]
-            if ha is not None or hg is not None:
-                out[name] = (None if ha is None else ha.wait(), None if hg is None else hg.wait())
+        # This rank's reduce buckets finish in the order they were started: the first entry
+        # not finished ends the scan (a later one is handed out at the next call or at the
+        # end of the backward pass).
+        for name, (ha, hg) in list(self._arriving.items()):
+            if not all(h is None or h.done for h in (ha, hg)):
+                break
+            del self._arriving[name]
+            out[name] = (_result(ha), _result(hg))
         return out
 
     def backward_end(self) -> dict[str, FactorPair]:
@@ -179,13 +186,10 @@ class FactorAverages:
             self._start(layer)
         self._comm.flush()
         with self._waiting():
-            arrivals = {}
             for name, (ha, hg) in self._pending.items():
-                pair = (None if ha is None else ha.wait(), None if hg is None else hg.wait())
-                if not self._layers[name].stats.fold_average:
-                    self._averaged[name] = pair
-                elif ha is not None or hg is not None:
-                    arrivals[name] = pair
+                self._averaged[name] = (_result(ha), _result(hg))
+            arrivals = {name: (_result(ha), _result(hg))
+                        for name, (ha, hg) in self._arriving.items()}
             for handles in self._running.values():  # written back into the running factors
                 for handle in handles:
                     if handle is not None:
@@ -193,6 +197,7 @@ class FactorAverages:
             for handle in self._contributions:
                 handle.wait()
         self._pending.clear()
+        self._arriving.clear()
         self._running.clear()
         self._contributions.clear()
         return arrivals
@@ -217,7 +222,13 @@ class FactorAverages:
     def drop(self) -> None:
         """Forgets the collectives started in an abandoned step (no step follows)."""
         self._pending.clear()
+        self._arriving.clear()
         self._running.clear()
         self._contributions.clear()
         self._averaged.clear()
         self._sent.clear()
+
+
+def _result(handle: CommHandle | None) -> torch.Tensor | None:
+    """The result of a started collective (``None`` for a side not sent)."""
+    return None if handle is None else handle.wait()

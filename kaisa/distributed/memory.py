@@ -242,14 +242,13 @@ def estimate_memory(
             path = _step_path(lp, rank, owned_factors, method.batched,
                               bool(diagonal.get(lp.name, DENSE)))
             steps.append(StepLayer(blocks * lp.a_dim * lp.g_dim, path))
-        # No batch factors: folded where computed and averaged in place, or (FSDP2) folded
-        # where their averages arrive, by the end of the backward pass.
-        buffers = 0
         step = step_buffer_numel(steps, world=grid.world_size, kl_clip=kl_clip)
         entry = {
             "factors": held * itemsize,
             "decompositions": decomp * inv_size,
-            "buffers": buffers * itemsize,
+            # No batch factors: folded where computed and averaged in place, or (FSDP2)
+            # folded where their averages arrive, by the end of the backward pass.
+            "buffers": 0,
             "step_buffers": step * itemsize,
         }
         entry["total"] = (entry["factors"] + entry["decompositions"]
