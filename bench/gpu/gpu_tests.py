@@ -70,6 +70,32 @@ def collect(run: Runner, targets: list[str], timeout: float) -> tuple[list[str],
     return ids, out.output
 
 
+def representative(ids: list[str]) -> list[str]:
+    """Ids covering, for every test function, each value of each of its parameters once.
+
+    A test id ``path::name[a-b-c]`` has the parameter values ``a``, ``b``, ``c`` (by
+    position); ids are taken in order while they add a (function, position, value) not
+    taken yet, so every function runs, on every dtype, shape and flag it is parametrised
+    with, in a handful of ids instead of their product. Ids without parameters are all
+    kept.
+
+    Args:
+        ids: The collected ids, in run order.
+
+    Returns:
+        The chosen ids, in run order.
+    """
+    seen: set[tuple[str, int, str]] = set()
+    chosen = []
+    for test in ids:
+        name, _, params = test.partition("[")
+        values = {(name, i, v) for i, v in enumerate(params.rstrip("]").split("-"))}
+        if not params or not values <= seen:
+            chosen.append(test)
+            seen |= values
+    return chosen
+
+
 def run_resumable(run: Runner, ids: list[str], seconds: float,
                   log: Callable[[str], None]) -> Outcomes:
     """Runs ``ids`` in order within ``seconds``, resuming after any test that kills pytest."""

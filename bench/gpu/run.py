@@ -12,8 +12,10 @@ build         150   ``python setup.py build_ext --inplace`` for the card's capab
                     (``TORCH_CUDA_ARCH_LIST``), ``MAX_JOBS`` = all cores; then the
                     extension must load with a CUDA kernel for every op
 tests          90   ``pytest -m gpu tests`` (``tests/ops/test_cuda_ops.py`` and the other
-                    CUDA suites on the ``cuda`` backend), 30 s a test, resumed past
-                    a test that crashes the process (``bench/gpu/gpu_tests.py``)
+                    CUDA suites on the ``cuda`` backend), each parameter value of each
+                    test once (every op, dtype and shape class; ``--all-tests``: all
+                    of them), 30 s a test, resumed past a test that crashes the
+                    process (``bench/gpu/gpu_tests.py``)
 sanitizer      60   ``compute-sanitizer`` memcheck, racecheck and synccheck (a third of
                     the cap each) over ``bench/gpu/sanitize_cases.py``: every op and
                     eigh routine once, small shapes; resumed past a case that stops
@@ -69,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root: bench.harness
 import sanitize  # noqa: E402
 import toolchain  # noqa: E402
-from gpu_tests import collect, run_resumable  # noqa: E402
+from gpu_tests import collect, representative, run_resumable  # noqa: E402
 from schema import validate  # noqa: E402
 from table import render  # noqa: E402
 
@@ -241,12 +243,16 @@ def stage_tests(ctx: Context, timeout: float) -> dict[str, Any]:
             [str(ROOT), str(ROOT / "bench" / "gpu")])})
 
     t0 = time.monotonic()
-    ids, listing = collect(run, ["tests", "-m", "gpu", "--continue-on-collection-errors"],
-                           min(60.0, timeout / 2))
+    every, listing = collect(run, ["tests", "-m", "gpu", "--continue-on-collection-errors"],
+                             min(60.0, timeout / 2))
     ctx.log("tests", listing)
+    ids = every if ctx.all_tests else representative(every)
     result = run_resumable(run, ids, timeout - (time.monotonic() - t0),
                            lambda text: ctx.log("tests", text))
     detail = {"command": " ".join([*base[1:], "-m gpu tests (ids in run order)"]),
+              "gpu_tests": len(every),
+              "chosen": "every gpu test" if ctx.all_tests else
+              "each parameter value of each test once (gpu_tests.representative)",
               **result.summary()}
     if result.timed_out:
         return {"status": "timed out", "detail": detail}
@@ -338,6 +344,7 @@ class Context:
     dry_run: bool
     env: dict[str, Any]
     cxx: str | None = None
+    all_tests: bool = False
 
     def log(self, stage: str, text: str) -> None:
         """Appends ``text`` to the stage's log file (its last 4 MB kept)."""
@@ -358,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages")
     parser.add_argument("--dry-run", action="store_true", help="CPU plumbing check, tiny sizes")
+    parser.add_argument("--all-tests", action="store_true",
+                        help="the tests stage runs every gpu test (default: each parameter "
+                        "value of each test once)")
     parser.add_argument("--cxx", default=None,
                         help="C++ compiler for the build (default: bench/gpu/toolchain.py)")
     parser.add_argument("--stages", default=",".join(s.name for s in STAGES),
@@ -370,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / ".work"
     work.mkdir(exist_ok=True)
-    ctx = Context(out=args.out, work=work, dry_run=args.dry_run, env={}, cxx=args.cxx)
+    ctx = Context(out=args.out, work=work, dry_run=args.dry_run, env={}, cxx=args.cxx,
+                  all_tests=args.all_tests)
     start = time.monotonic()
     deadline = start + args.budget
     started = datetime.datetime.now(datetime.timezone.utc)

@@ -23,6 +23,7 @@ from kaisa.distributed.config import DistributedConfig, EngineConfig
 from kaisa.utils.dtypes import working_dtype
 from kaisa.utils.enums import (
     AssignmentStrategy,
+    BasisRefresh,
     ComputeMethod,
     DistributedStrategy,
     FactorStorage,
@@ -62,6 +63,15 @@ class KFACConfig:
     Attributes:
         factor_update_steps: Steps between factor updates (int or callable).
         inv_update_steps: Steps between decomposition updates (int or callable).
+        decomposition_spread: Parts the blocks are split into, each decomposed on its own
+            steps of the ``inv_update_steps`` interval (``docs/conventions.md``, "Spread
+            decompositions"); 1, the default, decomposes every block at once.
+        basis_refresh: The eigen method's decompositions: ``'eigh'`` (the reference's:
+            a full eigendecomposition every time) or ``'qr'`` (one subspace-iteration step
+            warm-started from the previous eigenbasis, with a full one every
+            ``eigh_every``-th decomposition step; ``docs/conventions.md``, "Warm-started
+            eigenbases").
+        eigh_every: With ``'qr'``, every how many decomposition steps one is full.
         damping: Damping (float or callable).
         factor_decay: Running-average decay (float or callable).
         kl_clip: KL-clip threshold (float or callable), ``None`` disables clipping.
@@ -124,6 +134,9 @@ class KFACConfig:
 
     factor_update_steps: Schedule[int] = 1
     inv_update_steps: Schedule[int] = 1
+    decomposition_spread: int = 1
+    basis_refresh: BasisRefresh = BasisRefresh.EIGH
+    eigh_every: int = 10
     damping: Schedule[float] = 0.001
     factor_decay: Schedule[float] = 0.95
     kl_clip: Schedule[float] | None = 0.001
@@ -163,9 +176,10 @@ class KFACConfig:
             check_bounded(name, getattr(self, name))
         if self.kl_clip is not None:
             check_bounded("kl_clip", self.kl_clip)
-        check_int("accumulation_steps", self.accumulation_steps)
-        if callable(self.accumulation_steps):
-            raise ValueError("accumulation_steps must be an integer >= 1")
+        for name in ("accumulation_steps", "decomposition_spread", "eigh_every"):
+            check_int(name, getattr(self, name))
+            if callable(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer >= 1")
         cap = self.allreduce_bucket_cap_mb
         if callable(cap):
             raise ValueError("allreduce_bucket_cap_mb must be a number")
@@ -177,6 +191,11 @@ class KFACConfig:
         set_(self, "compute_method",
              parse_enum(ComputeMethod, self.compute_method, "compute_method"))
         set_(self, "kfac_approx", parse_enum(KFACApprox, self.kfac_approx, "kfac_approx"))
+        set_(self, "basis_refresh",
+             parse_enum(BasisRefresh, self.basis_refresh, "basis_refresh"))
+        if self.basis_refresh is BasisRefresh.QR and self.compute_method is not ComputeMethod.EIGEN:
+            raise ValueError("basis_refresh='qr' warm-starts eigenbases: it needs "
+                             f"compute_method='eigen', got {self.compute_method.value!r}")
         set_(self, "factor_storage",
              parse_enum(FactorStorage, self.factor_storage, "factor_storage"))
         set_(self, "layer_kinds", _parse_layer_kinds(self.layer_kinds))

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from fractions import Fraction
 from typing import Any
@@ -49,6 +49,7 @@ from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
 from kaisa.core.folding import FactorFolding, Fold
 from kaisa.core.grouped import BlockGroup, GroupedDirections, GroupRule, run_groups
 from kaisa.core.hooks import StatisticsRecorder
+from kaisa.core.schedule import block_cost, blocks_due, spread_parts, warm_refresh
 from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
 from kaisa.distributed.agreement import check_same_on_ranks
 from kaisa.distributed.engine import BlockRule
@@ -155,6 +156,7 @@ class KFACCurvature:
         self._row_options = (factor_rows, row_generator, max_dense_dim)
         self._cross: set[int] = set()
         self._groups: dict[tuple[object, ...], list[BlockGroup]] = {}
+        self._spread: list[list[str]] | None = None  # decomposition_spread's parts
         self._probes = {
             id(m): m.register_forward_pre_hook(self._probe, with_kwargs=True, prepend=True)
             for m in undecided_attention(blocks)
@@ -360,16 +362,56 @@ class KFACCurvature:
             if self._folding.folded or any(a is not None or g is not None for _, a, g in items):
                 self._warn_silent_blocks()
 
-    def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:
+    def scheduled_decompositions(self, step: int, interval: int, damping: float) -> None:
+        """The decompositions step ``step`` is due, as configured, with ``interval``.
+
+        The blocks :meth:`decompositions_due` names (none: nothing happens), warm-started
+        when the configuration's ``basis_refresh`` says so for decomposition step
+        ``step // interval`` (:func:`kaisa.core.schedule.warm_refresh`).
+
+        Args:
+            step: The step count.
+            interval: ``inv_update_steps`` at this step.
+            damping: The damping the method uses.
+        """
+        due = self.decompositions_due(step, interval)
+        if due:
+            config = self._config
+            self.update_decompositions(
+                damping, blocks=due,
+                warm_start=warm_refresh(step // interval, config.basis_refresh, config.eigh_every))
+
+    def decompositions_due(self, step: int, interval: int) -> frozenset[str]:
+        """The blocks step ``step`` decomposes, with ``interval = inv_update_steps``.
+
+        Every block when ``step % interval == 0`` with ``decomposition_spread=1``; with
+        ``decomposition_spread=k`` the parts due (``docs/conventions.md``, "Spread
+        decompositions"; the parts are made on the first call). Empty: none.
+
+        Args:
+            step: The step count.
+            interval: ``inv_update_steps`` at this step.
+        """
+        if self._spread is None:
+            costs = [(name, block_cost(block)) for name, block in self._blocks.items()]
+            self._spread = spread_parts(costs, self._config.decomposition_spread)
+        return blocks_due(step, interval, self._spread)
+
+    def update_decompositions(
+        self, damping: float, *, warm_start: bool = False,
+        blocks: Collection[str] | None = None,
+    ) -> None:
         """Decomposes the factors (as placed) and sends them to the gradient workers.
 
         Args:
             damping: The damping the method uses.
             warm_start: Let the method start from the stored decompositions
                 (:meth:`~kaisa.methods.SecondOrderMethod.refresh_dense`).
+            blocks: The names of the blocks to decompose (:meth:`decompositions_due`);
+                ``None``: every block.
         """
         with self.timed("decompositions"):
-            self._engine.update_decompositions(damping, warm_start=warm_start)
+            self._engine.update_decompositions(damping, warm_start=warm_start, blocks=blocks)
 
     def precondition(
         self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None = None

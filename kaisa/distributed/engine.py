@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
 from contextlib import AbstractContextManager
 from fractions import Fraction
 from typing import Any, TypeAlias
@@ -283,7 +283,10 @@ class DistributedEngine:
         self._factors.drop()
 
     # ------------------------------------------------------------------ decompositions
-    def update_decompositions(self, damping: float, *, warm_start: bool = False) -> None:
+    def update_decompositions(
+        self, damping: float, *, warm_start: bool = False,
+        blocks: Collection[str] | None = None,
+    ) -> None:
         """Decomposes this rank's assigned factors and broadcasts them to grad workers.
 
         A failed decomposition keeps the previous one on every gradient worker: the
@@ -295,12 +298,16 @@ class DistributedEngine:
             warm_start: Give the method each factor's stored payload (the source is a
                 gradient worker, so it holds it) to start from
                 (:meth:`~kaisa.methods.SecondOrderMethod.refresh_dense`).
+            blocks: The names of the blocks to decompose (every rank gives the same);
+                ``None``: every block.
         """
         if self._owned_factors:  # only the owners know whether a block has factors
             layers = [la for la in self._layers.values() if not la.diagonal]
         else:
             layers = [la for la in self._layers.values()
                       if la.factors.a is not None and la.factors.g is not None]
+        if blocks is not None:
+            layers = [la for la in layers if la.name in blocks]
         if not layers:
             return
         computed = decompose_assigned(

@@ -18,7 +18,6 @@ decided here, in one place:
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +26,7 @@ import torch
 
 from kaisa.core.config import KFACConfig
 from kaisa.utils.dtypes import working_dtype
-from kaisa.utils.enums import ComputeMethod, parse_enum
-from kaisa.utils.hyperparams import check_int
+from kaisa.utils.enums import BasisRefresh, ComputeMethod
 
 __all__ = [
     "KRONECKER_KINDS", "BasisRefresh", "EKFACConfig", "check_adam_group", "check_factor_rows",
@@ -36,18 +34,6 @@ __all__ = [
 
 #: The kinds :class:`kaisa.EKFAC` registers by default.
 KRONECKER_KINDS = ("linear", "conv2d", "conv1d", "embedding", "attention")
-
-
-class BasisRefresh(enum.Enum):
-    """How a basis refresh computes the new eigenbases (``docs/conventions.md``, "EKFAC").
-
-    ``EIGH``: a full eigendecomposition every refresh. ``QR``: one subspace-iteration step
-    warm-started from the previous basis (SOAP's refresh), with a full one on a block's
-    first refresh, every ``eigh_every``-th refresh and when the warm start fails.
-    """
-
-    EIGH = "eigh"
-    QR = "qr"
 
 
 def check_adam_group(group: dict[str, Any], where: str = "") -> None:
@@ -86,8 +72,6 @@ class EKFACConfig:
         betas: Default ``(beta1, beta2)``.
         eps: Default ``eps``.
         weight_decay: Default decoupled weight decay.
-        basis_refresh: How bases are refreshed.
-        eigh_every: With ``'qr'``, every how many refreshes one is a full ``eigh``.
         factor_rows: Rows each call of a Linear, attention or embedding block keeps for its
             factors (a random subset), ``None`` for every row.
         seed: Seed of the row generator (``seed + rank`` on each rank).
@@ -100,8 +84,6 @@ class EKFACConfig:
     betas: tuple[float, float]
     eps: float
     weight_decay: float
-    basis_refresh: BasisRefresh
-    eigh_every: int
     factor_rows: int | None
     seed: int
     max_basis_dim: int | None
@@ -116,8 +98,6 @@ class EKFACConfig:
         eps: float,
         weight_decay: float,
         basis_update_steps: Any,
-        basis_refresh: BasisRefresh | str,
-        eigh_every: int,
         inv_dtype: torch.dtype | None,
         layer_kinds: str | tuple[str, ...],
         weight_dtype: torch.dtype,
@@ -134,8 +114,6 @@ class EKFACConfig:
             eps: See :class:`kaisa.EKFAC`.
             weight_decay: See :class:`kaisa.EKFAC`.
             basis_update_steps: Steps between refreshes (the core's ``inv_update_steps``).
-            basis_refresh: ``'qr'`` or ``'eigh'``.
-            eigh_every: Refreshes per full ``eigh`` under ``'qr'`` (an int ``>= 1``).
             inv_dtype: Dtype of the bases and moments, ``None`` for ``weight_dtype``'s
                 working dtype.
             layer_kinds: The kinds to register (diagonal kinds dropped).
@@ -143,12 +121,10 @@ class EKFACConfig:
             factor_rows: ``None`` or an int ``>= 1`` (needs ``update_factors_in_hook``).
             seed: An int (not a bool).
             max_basis_dim: ``None`` or an int ``>= 1``.
-            **core: The other :class:`~kaisa.core.config.KFACConfig` keywords.
+            **core: The other :class:`~kaisa.core.config.KFACConfig` keywords (among them
+                ``basis_refresh`` and ``eigh_every``).
         """
         check_adam_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-        check_int("eigh_every", eigh_every)
-        if callable(eigh_every):
-            raise ValueError("eigh_every must be an integer >= 1")
         check_factor_rows(factor_rows)
         check_factor_rows(max_basis_dim, "max_basis_dim")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -167,21 +143,24 @@ class EKFACConfig:
         )
         return cls(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
                    weight_decay=float(weight_decay),
-                   basis_refresh=parse_enum(BasisRefresh, basis_refresh, "basis_refresh"),
-                   eigh_every=eigh_every, factor_rows=factor_rows, seed=seed,
+                   factor_rows=factor_rows, seed=seed,
                    max_basis_dim=max_basis_dim, kfac=kfac)
 
     def settings(self) -> dict[str, object]:
         """The settings every rank must share, beyond the core's."""
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
-                "lr": self.lr, "basis_refresh": self.basis_refresh.value,
-                "eigh_every": self.eigh_every, "factor_rows": self.factor_rows,
+                "lr": self.lr, "factor_rows": self.factor_rows,
                 "seed": self.seed, "max_basis_dim": self.max_basis_dim}
 
     @property
-    def warm_start(self) -> bool:
-        """Whether refreshes may start from the previous basis."""
-        return self.basis_refresh is BasisRefresh.QR
+    def basis_refresh(self) -> BasisRefresh:
+        """How bases are refreshed (the core's ``basis_refresh``)."""
+        return self.kfac.basis_refresh
+
+    @property
+    def eigh_every(self) -> int:
+        """With ``'qr'``, every how many refreshes one is a full ``eigh`` (the core's)."""
+        return self.kfac.eigh_every
 
 
 def _kronecker_kinds(value: object) -> tuple[str, ...]:

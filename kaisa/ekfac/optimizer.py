@@ -33,6 +33,7 @@ from torch import nn
 from kaisa.core.checkpoint import KFACState, check_generator_state
 from kaisa.core.config import KFACConfig
 from kaisa.core.curvature import KFACCurvature
+from kaisa.core.schedule import warm_refresh
 from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac.config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
 from kaisa.methods import EigenAdamMethod
@@ -172,8 +173,7 @@ class EKFAC(torch.optim.Optimizer):
                 if k in arguments and k not in ("lr", "inv_dtype", "layer_kinds")}
         self.config = config = EKFACConfig.of(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            basis_update_steps=basis_update_steps, basis_refresh=basis_refresh,
-            eigh_every=eigh_every, inv_dtype=inv_dtype, layer_kinds=layer_kinds,
+            basis_update_steps=basis_update_steps, inv_dtype=inv_dtype, layer_kinds=layer_kinds,
             weight_dtype=params[0].dtype if params else torch.float32,
             factor_rows=factor_rows, seed=seed, max_basis_dim=max_basis_dim, **core,
         )
@@ -225,7 +225,8 @@ class EKFAC(torch.optim.Optimizer):
                 self.curvature.update_factors(schedules.real("factor_decay", steps),
                                               zero_start=True)
             if steps % schedules.integer("basis_update_steps", steps) == 0:
-                warm = self.config.warm_start and self.refreshes % self.config.eigh_every != 0
+                warm = warm_refresh(self.refreshes, self.config.basis_refresh,
+                                    self.config.eigh_every)
                 self.curvature.update_decompositions(0.0, warm_start=warm)
                 self.refreshes += 1
             if not overflow:

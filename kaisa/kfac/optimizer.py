@@ -309,8 +309,8 @@ class KFAC(torch.optim.Optimizer):
     def _update_curvature(self) -> None:  # the core's updates, when due
         if self._due("factor_update_steps"):
             self.curvature.update_factors(self._schedules.real("factor_decay", self.steps))
-        if self._due("inv_update_steps"):
-            self.curvature.update_decompositions(self.damping)
+        self.curvature.scheduled_decompositions(
+            self.steps, self._schedules.integer("inv_update_steps", self.steps), self.damping)
 
     def _direction(self, params: list[torch.Tensor]
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -25,6 +25,7 @@ from kaisa.core.curvature import KFACCurvature
 from kaisa.distributed import Communicator, DistributedConfig, FactorSize, MemoryEstimate, Placement
 from kaisa.utils.enums import (
     AssignmentStrategy,
+    BasisRefresh,
     ComputeMethod,
     DistributedStrategy,
     FactorStorage,
@@ -64,7 +65,12 @@ class KFACPreconditioner:
 
     Beyond kfac-pytorch's keywords: ``factor_storage='packed'`` keeps each running factor
     as its upper triangles (about half the bytes; ``docs/conventions.md``, "Packed
-    factors"), and the other :class:`~kaisa.core.config.KFACConfig` fields.
+    factors"); ``decomposition_spread=k`` decomposes the blocks in ``k`` parts of about
+    equal cost, each on its own steps of the ``inv_update_steps`` interval, so that no
+    step decomposes every factor (``docs/conventions.md``, "Spread decompositions");
+    ``basis_refresh='qr'`` warm-starts the eigenbases from the previous ones between full
+    decompositions every ``eigh_every``-th decomposition step (``docs/conventions.md``,
+    "Warm-started eigenbases"); and the other :class:`~kaisa.core.config.KFACConfig` fields.
     """
 
     def __init__(
@@ -73,6 +79,9 @@ class KFACPreconditioner:
         *,
         factor_update_steps: Schedule[int] = 1,
         inv_update_steps: Schedule[int] = 1,
+        decomposition_spread: int = 1,
+        basis_refresh: BasisRefresh | str = BasisRefresh.EIGH,
+        eigh_every: int = 10,
         damping: Schedule[float] = 0.001,
         factor_decay: Schedule[float] = 0.95,
         kl_clip: Schedule[float] | None = 0.001,
@@ -286,8 +295,7 @@ class KFACPreconditioner:
         curvature, steps = self._curvature, self._steps
         if steps % self.factor_update_steps == 0:
             curvature.update_factors(self.factor_decay)
-        if steps % self.inv_update_steps == 0:
-            curvature.update_decompositions(self.damping)
+        curvature.scheduled_decompositions(steps, self.inv_update_steps, self.damping)
         directions = curvature.precondition_grouped(self.damping)
         with curvature.timed("preconditioning"):
             write_directions(directions, kl_clip=self.kl_clip, lr=self.lr)

@@ -51,6 +51,9 @@ def _curvature_arguments(options: argparse.Namespace) -> dict[str, Any]:
     return {
         "factor_update_steps": options.kfac_factor_update_steps,
         "inv_update_steps": options.kfac_inv_update_steps,
+        "decomposition_spread": options.kfac_decomposition_spread,
+        "basis_refresh": options.kfac_basis_refresh,
+        "eigh_every": options.kfac_eigh_every,
         "damping": options.kfac_damping,
         "factor_decay": options.kfac_factor_decay,
         "allreduce_bucket_cap_mb": options.kfac_bucket_cap_mb,
@@ -82,12 +85,14 @@ def build_ekfac(model: nn.Module, options: argparse.Namespace) -> Any:
     import kaisa
 
     curvature = _curvature_arguments(options)
+    if curvature.pop("decomposition_spread") != 1:
+        raise ValueError("--kfac-decomposition-spread does not apply to --optimizer ekfac "
+                         "(it refreshes every basis on its refresh steps)")
     for name in ("damping", "compute_method", "inv_dtype"):
         del curvature[name]
     return kaisa.EKFAC(
         model, lr=options.lr, weight_decay=options.weight_decay,
         basis_update_steps=curvature.pop("inv_update_steps"),
-        basis_refresh=options.kfac_basis_refresh,
         inv_dtype=DTYPES[options.kfac_inv_dtype],
         accumulation_steps=options.accumulation_steps,
         update_factors_in_hook=options.kfac_update_factors_in_hook,

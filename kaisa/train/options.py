@@ -195,8 +195,20 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kfac-basis-refresh", choices=("eigh", "qr"), default="eigh",
-        help="optimizer ekfac: refresh the eigenbases by eigh, or by one warm-started "
-        "QR step with eigh every 10th refresh (default: %(default)s)",
+        help="eigenbases (ekfac, and the eigen method): a full eigh at every decomposition "
+        "step, or one warm-started QR step with eigh every --kfac-eigh-every-th "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--kfac-eigh-every", type=int, default=10, metavar="N",
+        help="with --kfac-basis-refresh qr: every how many decomposition steps one is a "
+        "full eigh (default: %(default)s)",
+    )
+    add(
+        "--kfac-decomposition-spread", type=int, default=1, metavar="K",
+        help="decompose the blocks in K parts of about equal cost, each on its own steps of "
+        "the --kfac-inv-update-steps interval, so no step decomposes them all (not with "
+        "--optimizer ekfac) (default: %(default)s)",
     )
     add(
         "--kfac-factor-storage", choices=("dense", "packed"), default="dense",

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 __all__ = [
     "AssignmentStrategy",
+    "BasisRefresh",
     "ComputeMethod",
     "DistributedStrategy",
     "FactorStorage",
@@ -23,6 +24,19 @@ __all__ = [
     "parse_enum",
     "parse_grad_worker_fraction",
 ]
+
+
+class BasisRefresh(enum.Enum):
+    """How a decomposition step computes eigenbases (``docs/conventions.md``, "EKFAC").
+
+    ``EIGH``: a full eigendecomposition every time. ``QR``: one subspace-iteration step
+    warm-started from the previous basis (SOAP's refresh), with a full one on a block's
+    first decomposition, every ``eigh_every``-th decomposition step and when the warm
+    start fails.
+    """
+
+    EIGH = "eigh"
+    QR = "qr"
 
 
 class ComputeMethod(enum.Enum):

@@ -183,3 +183,17 @@ def _gpu_step_cost() -> Any:
         module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return module
+
+
+def test_the_representative_tests_take_each_parameter_value_of_each_test_once() -> None:
+    ids = [f"t.py::f[cuda-{shape}-{dtype}]" for shape in ("1x1", "3x200", "37x5")
+           for dtype in ("dtype0", "dtype1")] + ["t.py::g", "t.py::h[cuda-a]", "t.py::h[cuda-b]"]
+    chosen = gpu_tests.representative(ids)
+    assert chosen == ["t.py::f[cuda-1x1-dtype0]", "t.py::f[cuda-1x1-dtype1]",
+                      "t.py::f[cuda-3x200-dtype0]", "t.py::f[cuda-37x5-dtype0]",
+                      "t.py::g", "t.py::h[cuda-a]", "t.py::h[cuda-b]"]
+    for test in {i.partition("[")[0] for i in ids}:  # every value of every position
+        mine = [i.partition("[")[2] for i in chosen if i.startswith(test + "[")]
+        theirs = [i.partition("[")[2] for i in ids if i.startswith(test + "[")]
+        for pos in range(len(theirs[0].split("-")) if theirs else 0):
+            assert {p.split("-")[pos] for p in mine} == {p.split("-")[pos] for p in theirs}

@@ -74,7 +74,8 @@ def _kfac_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         damping=0.01,
         kl_clip=0.05,
         lr=0.1,
-        inv_update_steps=2,
+        inv_update_steps=cfg.get("ius", 2),
+        decomposition_spread=cfg.get("spread", 1),
         factor_update_steps=cfg.get("fus", 1),
         update_factors_in_hook=cfg.get("in_hook", True),
     )
@@ -168,11 +169,15 @@ def _subset(world: int) -> list[dict[str, Any]]:
         dict(strategy="comm_opt", method="pi_inverse", sym=False, bucket=0.0, colocate=False),
         dict(strategy="mem_opt", method="eigen", sym=True, bucket=0.0001, tiny=True),
         dict(strategy="mem_opt", method="inverse", sym=True, bucket=0.001, fus=2, in_hook=False),
+        # decompositions spread over the interval: parts at steps 0 (all), 1 and 3
+        dict(strategy="mem_opt", method="eigen", sym=False, bucket=25.0, ius=3, spread=2),
     ]
     if world > 2:
         cfgs += [
             dict(strategy="hybrid_opt", method="eigen", sym=True, bucket=25.0, colocate=False),
             dict(strategy="hybrid_opt", method="inverse", sym=False, bucket=0.0, extra=True),
+            dict(strategy="hybrid_opt", method="eigen", sym=True, bucket=25.0, ius=3,
+                 spread=3),
         ]
     return cfgs
 
@@ -348,7 +353,8 @@ def test_collective_timeout_argument_bounds_a_hung_peer() -> None:
 # ----------------------------------------------------------------------------- kaisa.KFAC
 
 
-def _kfac_train(strategy: str, world: int, rank: int | None) -> list[torch.Tensor]:
+def _kfac_train(strategy: str, world: int, rank: int | None, spread: int = 1
+                ) -> list[torch.Tensor]:
     """Adaptive KFAC (lr, momentum, damping) on a global batch split over ``world`` ranks."""
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
@@ -357,6 +363,7 @@ def _kfac_train(strategy: str, world: int, rank: int | None) -> list[torch.Tenso
     opt = kaisa.KFAC(
         model, loss="cross_entropy", curvature="empirical", damping=0.01, damping_interval=2,
         inv_update_steps=2, inv_dtype=torch.float64, grad_worker_fraction=strategy,
+        decomposition_spread=spread,
     )
     g = torch.Generator().manual_seed(5)
     for _ in range(4):
@@ -368,22 +375,25 @@ def _kfac_train(strategy: str, world: int, rank: int | None) -> list[torch.Tenso
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _kfac_job(rank: int, world: int, strategies: list[str]) -> list[list[torch.Tensor]]:
-    return [_kfac_train(s, world, rank) for s in strategies]
+def _kfac_job(rank: int, world: int, runs: list[tuple[str, int]]) -> list[list[torch.Tensor]]:
+    return [_kfac_train(s, world, rank, spread) for s, spread in runs]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_adaptive_kfac_every_strategy_equals_one_process(world: int) -> None:
-    strategies = list(STRATEGIES if world > 2 else ("comm_opt", "mem_opt"))
-    results = run_distributed(_kfac_job, world, strategies, timeout=280)
+    runs = [(s, 1) for s in (STRATEGIES if world > 2 else ("comm_opt", "mem_opt"))]
+    runs.append(("mem_opt", 2))  # decompositions spread: steps 0 (all), 1, 2, 3
+    results = run_distributed(_kfac_job, world, runs, timeout=280)
     old = torch.get_default_dtype()
     try:
-        reference = _kfac_train("comm_opt", world, None)
+        references = {spread: _kfac_train("comm_opt", world, None, spread)
+                      for spread in sorted({spread for _, spread in runs})}
     finally:
         torch.set_default_dtype(old)
-    for i, strategy in enumerate(strategies):
+    for i, (strategy, spread) in enumerate(runs):
+        reference = references[spread]
         for r in range(world):
             for p0, p in zip(results[0][i], results[r][i], strict=True):
                 assert torch.equal(p, p0), f"rank {r} differs from rank 0 ({strategy})"
