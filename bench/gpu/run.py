@@ -22,7 +22,9 @@ sanitizer      60   ``compute-sanitizer`` memcheck, racecheck and synccheck (a t
                     the sanitizer (``bench/gpu/sanitize.py``)
 kernels        75   ``bench/kernels/bench_kernels_gpu.py``: covariance (fused / GEMM, TF32 off
                     and on), conv covariance, batched eigh (kaisa, torch, CuPy), the
-                    syevj knee, preconditioning; each row with its floor and gap
+                    syevj knee, preconditioning, the cheaper decompositions (Cholesky
+                    / Newton-Schulz inverses, eigh / warm refresh); each row with its
+                    floor and gap
 step_cost      90   ``bench/gpu/step_cost.py``: optimizer step cost as ratios in one
                     process (ResNet-50 K-FAC+SGD / SGD, GPT EKFAC / AdamW / Muon,
                     autoencoder KFAC / Adam)

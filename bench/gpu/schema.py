@@ -8,7 +8,10 @@ One file per run, ``gpu-<device>-<date>.json``: the run's ``device``, ``date``,
 
 * ``kernels``: ``ceilings`` (measured copy GB/s and matmul TFLOP/s) and ``results``:
   group -> row -> ``ms`` (``kaisa`` and each alternative), ``speedup_vs_best``,
-  ``floor_ms`` and ``gap`` (kaisa / floor); ``syevj_knee`` its own shape.
+  ``floor_ms`` and ``gap`` (kaisa / floor); ``syevj_knee`` its own shape. The groups
+  ``inverse`` (kaisa: the Cholesky inverse; Newton-Schulz warm and cold) and
+  ``eigen_refresh`` (kaisa: eigh; the warm refresh) have the same fields, their rows
+  also iterations and product errors.
 * ``step_cost``: ``tasks``: task -> ``configs``: name -> ``ms_per_step``, ``ratio``
   (against ``baseline``), ``labels``, ``peak_gib`` and (runs since the captured column)
   ``captured``: the ``label`` of the step captured in a CUDA graph and its replay's

@@ -23,6 +23,15 @@ Every comparison is against the real alternatives, at ResNet-50 sizes
 * ``precondition``: ``eigen_precondition`` vs four ``torch.matmul`` and the
   division (:func:`kaisa.ops._reference.eigen_precondition`).
 
+* ``inverse`` and ``eigen_refresh``: the cheaper decompositions of
+  ``bench/experiments/decomposition_levers.py`` on ResNet-50's whole factor set
+  (low-rank-plus-noise covariances, damping 1e-3 trace / n): the library's batched
+  Cholesky inverse vs Newton-Schulz iterations in IEEE float32 warm-started from the
+  previous inverse (the iterations its factors needed; how many diverge when the damping
+  grows tenfold) and cold-started (one iteration's time times its iterations), and full
+  eigh (one call, on the previous factors: the warm start's basis) vs the warm
+  subspace-iteration refresh; with iterations and product errors against float64.
+
 * ``syevj_knee``: ``batched_eigh`` of 64 matrices per size n = 8...128 with each routine
   forced (``KAISA_EIGH_IMPL``, ``KAISA_SYEVJ_MAX_N`` raised so syevj may take any n):
   the largest n where batched Jacobi still wins is the measured ``KAISA_SYEVJ_MAX_N``.
@@ -49,9 +58,12 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
@@ -588,6 +600,135 @@ def test_eigh_resnet50_factor_set(benchmark: Any, dtype: torch.dtype) -> None:
             torch.ops.kaisa.batched_eigh(a)
 
     benchmark.pedantic(lambda: (whole_set(), synchronize()), rounds=1, iterations=1)
+
+
+def _levers() -> Any:
+    """``bench/experiments/decomposition_levers.py``: the measurements the CPU script makes."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "experiments")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import decomposition_levers
+
+    return decomposition_levers
+
+
+def _row(group: str, key: str, ms: dict[str, float], floor: float, **extra: object) -> None:
+    """A row timed by the caller: ``ms`` holds ``kaisa`` (the library's way) and the rest."""
+    best = min((k for k in ms if k != "kaisa"), key=lambda k: ms[k])
+    _RESULTS.setdefault(group, {})[key] = {
+        "ms": {k: round(v, 4) for k, v in ms.items()},
+        "best_alternative": best,
+        "speedup_vs_best": round(ms[best] / ms["kaisa"], 3),
+        "floor_ms": round(floor, 5),
+        "gap": round(ms["kaisa"] / floor, 2),
+        **extra,
+    }
+    write_results()
+
+
+def _timed_once(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and its milliseconds (CUDA events on a GPU)."""
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        out = fn()
+        return out, 1e3 * (time.perf_counter() - t0)
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end)
+
+
+#: Newton-Schulz's flops per iteration, per n^3 (two GEMMs), and Cholesky inverse's
+#: (potrf n^3 / 3 and potri 2 n^3 / 3).
+NEWTON_SCHULZ_FLOPS_PER_N3 = 4.0
+CHOLESKY_INVERSE_FLOPS_PER_N3 = 1.0
+
+
+def test_decomposition_levers_resnet50_factor_set() -> None:
+    """Newton-Schulz inverses vs Cholesky, the warm eigenbasis refresh vs eigh, per size and
+    for the whole set (ResNet-50's factors, or the tiny sizes)."""
+    from kaisa.methods.linalg import (
+        damped_inverses,
+        eigen_decompositions,
+        warm_eigen_decompositions,
+    )
+
+    dl = _levers()
+    fp32 = torch.float32
+    scenarios = (dl.SCENARIOS[0], next(s for s in dl.SCENARIOS if s[2] == 10.0))
+    totals: dict[str, dict[str, float]] = {"inverse": {}, "eigen_refresh": {}}
+    floors = {"inverse": 0.0, "eigen_refresh": 0.0}
+    extras: dict[str, dict[str, Any]] = {"inverse": {}, "eigen_refresh": {}}
+    with tf32(False):
+        for n, count in sorted(Counter(eigh_dims()).items()):
+            g = dl.measure_group(n, count, "low_rank", torch.device(DEVICE), 0,
+                                 scenarios=scenarios, colds=("identity",), exact=False,
+                                 eigen=False, max_iter=40)
+            s = g.summary
+            m = dl.damped(g.f, g.lam, fp32)
+            cold = s["cold_identity"]["iterations_used"]["max"]
+
+            def cholesky(g: Any = g) -> object:
+                return damped_inverses([g.f], damping=[g.lam], inv_dtype=fp32)
+
+            def newton_schulz(iterations: int, m: torch.Tensor = m, g: Any = g) -> object:
+                return dl.newton_schulz_fixed(m, g.x_prev, iterations)
+
+            def refresh(g: Any = g) -> object:
+                return warm_eigen_decompositions([g.f], [g.q_prev], inv_dtype=fp32)
+
+            one = time_ms(partial(newton_schulz, 1), 1, 3)
+            ms = {
+                "kaisa": time_ms(cholesky, 1, 3),
+                "newton_schulz_warm": time_ms(partial(newton_schulz, g.warm_iterations), 0, 2),
+                "newton_schulz_cold_projected": one * cold,
+            }
+            floor = floor_ms(CHOLESKY_INVERSE_FLOPS_PER_N3 * count * n**3,
+                             count * 2 * n * n * 4, "fp32")
+            rule = s["warm"][scenarios[0][0]]
+            extra = {
+                "warm_iterations": g.warm_iterations, "cold_iterations": cold,
+                "newton_schulz_iteration_ms": round(one, 4),
+                "warm_reached_target": f"{rule['iterations_to_target']['reached']}/{count}",
+                "warm_reached_1e-6": f"{rule['iterations_to_1e-6']['reached']}/{count}",
+                "warm_diverged_damping_x10": s["warm"][scenarios[1][0]]["diverged"],
+                "product_error_max": {"cholesky": s["cholesky"]["product_error"]["max"],
+                                      "newton_schulz_warm": rule["product_error"]["max"],
+                                      "newton_schulz_cold":
+                                          s["cold_identity"]["product_error"]["max"]},
+            }
+            _row("inverse", f"n{n}-b{count}-float32", ms, floor, **extra)
+            prev, eigh_ms = _timed_once(partial(eigen_decompositions, [g.f_prev],
+                                                inv_dtype=fp32))
+            g.q_prev = prev[0].eigenvectors
+            warm = warm_eigen_decompositions([g.f], [g.q_prev], inv_dtype=fp32)[0]
+            full = eigen_decompositions([g.f], inv_dtype=fp32)[0] if TINY else None
+            refresh_ms = time_ms(refresh, 0, 2)
+            eig_floor = eigh_floor(n, count, fp32)
+            eig_extra = {"product_error_max": {
+                "warm_refresh": dl.eigen_product_error(g, warm)["max"],
+                **({"eigh": dl.eigen_product_error(g, full)["max"]} if full else {})}}
+            _row("eigen_refresh", f"n{n}-b{count}-float32",
+                 {"kaisa": eigh_ms, "warm_refresh": refresh_ms}, eig_floor, **eig_extra)
+            for group, times, fl, ex in (("inverse", ms, floor, extra),
+                                         ("eigen_refresh", {"kaisa": eigh_ms,
+                                                            "warm_refresh": refresh_ms},
+                                          eig_floor, eig_extra)):
+                for k, v in times.items():
+                    totals[group][k] = totals[group].get(k, 0.0) + v
+                floors[group] += fl
+                extras[group][str(n)] = ex
+    for group in totals:
+        _row(group, "whole-set-float32", totals[group], floors[group],
+             factors=sum(Counter(eigh_dims()).values()),
+             data="low_rank covariances, damping 1e-3 trace / n (decomposition_levers.py)",
+             **({"sizes": {n: {k: v for k, v in e.items() if k in (
+                 "warm_iterations", "cold_iterations", "warm_diverged_damping_x10")}
+                 for n, e in extras[group].items()}} if group == "inverse" else {}))
 
 
 def test_layer_table_matches_resnet50() -> None:

@@ -134,6 +134,26 @@ def test_jvp_linearize_smoke(tmp_path: Path) -> None:
         assert entry["float64_func_linearize_vs_today_relative"] < 1e-12
 
 
+@pytest.mark.slow
+def test_decomposition_levers_smoke(tmp_path: Path) -> None:
+    """bench/experiments/decomposition_levers.py --smoke: every start measured, the set timed."""
+    module = load_bench("decomposition_levers")
+    out = tmp_path / "decomposition_levers.json"
+    results = module.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert set(results["models"]) == {"low_rank", "random"}
+    for entry in results["models"].values():
+        for s in entry["sizes"].values():
+            rule = s["warm"]["rule, 1 fold"]
+            assert rule["violates_radius_below_1"] == 0 and rule["diverged"] == 0
+            assert rule["iterations_to_target"]["reached"] == s["factors"]
+            assert rule["product_error"]["max"] < 1e-3 > s["cholesky"]["product_error"]["max"]
+            assert set(s["eigen"]) == {"eigh", "warm_refresh"}
+            assert {"cold_identity", "cold_transpose"} <= set(s)
+    times = results["models"]["low_rank"]["whole_set_ms"]
+    assert all(v > 0 for v in times.values()) and "newton_schulz_cold_identity_projected" in times
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_plan_validation_smoke(tmp_path: Path) -> None:
