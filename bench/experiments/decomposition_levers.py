@@ -35,7 +35,7 @@ sizes (``bench/kernels/bench_kernels_gpu.py``'s ``factor_dims``: A and G of 53 c
 
 Factors are covariances of ``rows x n`` data: ``random`` (iid Gaussian) and ``low_rank``
 (``n / 8`` directions with scales ``1 / i`` plus isotropic noise 0.01: condition numbers
-of ``M`` about 1e3-1e5 with the damping rule); each folded batch from ``n`` rows,
+of ``M`` 1.0e4-1.4e4 measured, with the damping rule); each folded batch from ``n`` rows,
 ``F_prev`` from ``39n`` (an average with decay 0.95 weighs about 39 batches).
 
 Times: the whole subset, interleaved rounds (median ms), one thread on the CPU:
