@@ -67,10 +67,11 @@ class KFACConfig:
             steps of the ``inv_update_steps`` interval (``docs/conventions.md``, "Spread
             decompositions"); 1, the default, decomposes every block at once.
         basis_refresh: The eigen method's decompositions: ``'eigh'`` (the reference's:
-            a full eigendecomposition every time) or ``'qr'`` (one subspace-iteration step
+            a full eigendecomposition every time), ``'qr'`` (one subspace-iteration step
             warm-started from the previous eigenbasis, with a full one every
             ``eigh_every``-th decomposition step; ``docs/conventions.md``, "Warm-started
-            eigenbases").
+            eigenbases") or ``'auto'`` (``'qr'`` on a CUDA device, ``'eigh'`` elsewhere;
+            other methods ignore it).
         eigh_every: With ``'qr'``, every how many decomposition steps one is full.
         damping: Damping (float or callable).
         factor_decay: Running-average decay (float or callable).
@@ -193,7 +194,8 @@ class KFACConfig:
         set_(self, "kfac_approx", parse_enum(KFACApprox, self.kfac_approx, "kfac_approx"))
         set_(self, "basis_refresh",
              parse_enum(BasisRefresh, self.basis_refresh, "basis_refresh"))
-        if self.basis_refresh is BasisRefresh.QR and self.compute_method is not ComputeMethod.EIGEN:
+        if (self.basis_refresh is BasisRefresh.QR
+                and self.compute_method is not ComputeMethod.EIGEN):
             raise ValueError("basis_refresh='qr' warm-starts eigenbases: it needs "
                              f"compute_method='eigen', got {self.compute_method.value!r}")
         set_(self, "factor_storage",

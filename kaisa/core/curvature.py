@@ -362,6 +362,11 @@ class KFACCurvature:
             if self._folding.folded or any(a is not None or g is not None for _, a, g in items):
                 self._warn_silent_blocks()
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the model (its first parameter) is on a CUDA device."""
+        return self._device.type == "cuda"
+
     def scheduled_decompositions(self, step: int, interval: int, damping: float) -> None:
         """The decompositions step ``step`` is due, as configured, with ``interval``.
 
@@ -379,7 +384,8 @@ class KFACCurvature:
             config = self._config
             self.update_decompositions(
                 damping, blocks=due,
-                warm_start=warm_refresh(step // interval, config.basis_refresh, config.eigh_every))
+                warm_start=warm_refresh(step // interval, config.basis_refresh,
+                                        config.eigh_every, cuda=self.on_cuda))
 
     def decompositions_due(self, step: int, interval: int) -> frozenset[str]:
         """The blocks step ``step`` decomposes, with ``interval = inv_update_steps``.

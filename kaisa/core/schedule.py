@@ -79,16 +79,19 @@ def blocks_due(step: int, interval: int, parts: Sequence[Iterable[str]]) -> froz
     return frozenset(name for j in parts_due(step, interval, len(parts)) for name in parts[j])
 
 
-def warm_refresh(index: int, refresh: BasisRefresh, eigh_every: int) -> bool:
+def warm_refresh(index: int, refresh: BasisRefresh, eigh_every: int, *, cuda: bool) -> bool:
     """Whether decomposition step number ``index`` (from 0) warm-starts the eigenbases.
 
-    With ``'qr'`` every step but each ``eigh_every``-th (``index % eigh_every == 0``) is
-    warm-started; with ``'eigh'`` none is.
+    With ``'qr'`` (``'auto'`` on a CUDA device) every step but each ``eigh_every``-th
+    (``index % eigh_every == 0``) is warm-started; with ``'eigh'`` (``'auto'`` elsewhere)
+    none is.
 
     Args:
         index: The decomposition step's number: EKFAC's refresh count, the preconditioner's
             ``steps // inv_update_steps``.
         refresh: The configured refresh.
         eigh_every: Decomposition steps per full one.
+        cuda: Whether the model is on a CUDA device.
     """
-    return refresh is BasisRefresh.QR and index % eigh_every != 0
+    warm = refresh is BasisRefresh.QR or (refresh is BasisRefresh.AUTO and cuda)
+    return warm and index % eigh_every != 0

@@ -69,7 +69,9 @@ class EKFAC(torch.optim.Optimizer):
         basis_update_steps: Steps between eigenbasis refreshes (int or callable).
         factor_decay: Running-average decay of the factors (float or callable).
         basis_refresh: ``'qr'`` (a warm-started subspace-iteration step, a full ``eigh``
-            every ``eigh_every``-th refresh) or ``'eigh'`` (always a full one).
+            every ``eigh_every``-th refresh), ``'eigh'`` (always a full one) or ``'auto'``
+            (the default: ``'qr'`` on a CUDA device, where an ``eigh`` is far slower than
+            the GEMMs and QR of a warm start, ``'eigh'`` elsewhere).
         eigh_every: See ``basis_refresh``.
         kfac_approx: Linear blocks on sequences: ``'expand'`` or ``'reduce'``.
         factor_storage: ``'dense'`` running factors, or ``'packed'``: their upper
@@ -136,7 +138,7 @@ class EKFAC(torch.optim.Optimizer):
         factor_update_steps: Schedule[int] = 1,
         basis_update_steps: Schedule[int] = 10,
         factor_decay: Schedule[float] = 0.95,
-        basis_refresh: BasisRefresh | str = BasisRefresh.EIGH,
+        basis_refresh: BasisRefresh | str = BasisRefresh.AUTO,
         eigh_every: int = 10,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
         factor_storage: FactorStorage | str = FactorStorage.DENSE,
@@ -226,7 +228,7 @@ class EKFAC(torch.optim.Optimizer):
                                               zero_start=True)
             if steps % schedules.integer("basis_update_steps", steps) == 0:
                 warm = warm_refresh(self.refreshes, self.config.basis_refresh,
-                                    self.config.eigh_every)
+                                    self.config.eigh_every, cuda=self.curvature.on_cuda)
                 self.curvature.update_decompositions(0.0, warm_start=warm)
                 self.refreshes += 1
             if not overflow:

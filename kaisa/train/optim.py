@@ -52,7 +52,8 @@ def _curvature_arguments(options: argparse.Namespace) -> dict[str, Any]:
         "factor_update_steps": options.kfac_factor_update_steps,
         "inv_update_steps": options.kfac_inv_update_steps,
         "decomposition_spread": options.kfac_decomposition_spread,
-        "basis_refresh": options.kfac_basis_refresh,
+        **({} if options.kfac_basis_refresh is None else {
+            "basis_refresh": options.kfac_basis_refresh}),
         "eigh_every": options.kfac_eigh_every,
         "damping": options.kfac_damping,
         "factor_decay": options.kfac_factor_decay,

@@ -194,10 +194,10 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         help="optimizer kfac: Levenberg-Marquardt damping (default: on)",
     )
     group.add_argument(
-        "--kfac-basis-refresh", choices=("eigh", "qr"), default="eigh",
+        "--kfac-basis-refresh", choices=("eigh", "qr", "auto"), default=None,
         help="eigenbases (ekfac, and the eigen method): a full eigh at every decomposition "
-        "step, or one warm-started QR step with eigh every --kfac-eigh-every-th "
-        "(default: %(default)s)",
+        "step, one warm-started QR step with eigh every --kfac-eigh-every-th, or auto: qr "
+        "on a CUDA device, eigh elsewhere (default: auto for ekfac, else eigh)",
     )
     group.add_argument(
         "--kfac-eigh-every", type=int, default=10, metavar="N",

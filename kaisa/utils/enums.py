@@ -32,11 +32,12 @@ class BasisRefresh(enum.Enum):
     ``EIGH``: a full eigendecomposition every time. ``QR``: one subspace-iteration step
     warm-started from the previous basis (SOAP's refresh), with a full one on a block's
     first decomposition, every ``eigh_every``-th decomposition step and when the warm
-    start fails.
+    start fails. ``AUTO``: ``QR`` where the model is on a CUDA device, ``EIGH`` elsewhere.
     """
 
     EIGH = "eigh"
     QR = "qr"
+    AUTO = "auto"
 
 
 class ComputeMethod(enum.Enum):

@@ -36,9 +36,13 @@ def _warm(factor: torch.Tensor, q0: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def test_which_decomposition_steps_are_warm() -> None:
-    assert [warm_refresh(k, BasisRefresh.QR, 3) for k in range(7)] == [
-        False, True, True, False, True, True, False]
-    assert not any(warm_refresh(k, BasisRefresh.EIGH, 3) for k in range(7))
+    pattern = [False, True, True, False, True, True, False]
+    for cuda in (False, True):
+        assert [warm_refresh(k, BasisRefresh.QR, 3, cuda=cuda) for k in range(7)] == pattern
+        assert not any(warm_refresh(k, BasisRefresh.EIGH, 3, cuda=cuda) for k in range(7))
+    # 'auto': QR's on a CUDA device, eigh's elsewhere
+    assert [warm_refresh(k, BasisRefresh.AUTO, 3, cuda=True) for k in range(7)] == pattern
+    assert not any(warm_refresh(k, BasisRefresh.AUTO, 3, cuda=False) for k in range(7))
 
 
 @pytest.mark.parametrize("outer_product", [True, False])
@@ -117,3 +121,32 @@ def test_ekfac_keeps_its_refresh_settings() -> None:
     opt = kaisa.EKFAC(_model(), basis_refresh="qr", eigh_every=4)
     assert opt.config.basis_refresh is BasisRefresh.QR and opt.config.eigh_every == 4
     assert opt.config.kfac.basis_refresh is BasisRefresh.QR
+    assert kaisa.EKFAC(_model()).config.basis_refresh is BasisRefresh.AUTO  # the default
+
+
+def test_auto_is_eigh_on_the_cpu_bit_for_bit() -> None:
+    """'auto' (EKFAC's default; any method) decomposes in full off CUDA devices."""
+    def run(product: str, refresh: str) -> list[torch.Tensor]:
+        model = _model()
+        if product == "ekfac":
+            opt: Any = kaisa.EKFAC(model, lr=0.01, basis_update_steps=2, basis_refresh=refresh)
+            step = opt.step
+        else:
+            sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+            pre = kaisa.KFACPreconditioner(model, inv_update_steps=2, basis_refresh=refresh,
+                                           eigh_every=3, compute_method=product)
+
+            def step() -> None:
+                pre.step()
+                sgd.step()
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(7):
+            x = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+            model.zero_grad()
+            F.mse_loss(model(x), x[:, :3]).backward()
+            step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for product in ("ekfac", "eigen", "inverse"):
+        got, want = run(product, "auto"), run(product, "eigh")
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), product
