@@ -177,7 +177,7 @@ def _subset(world: int) -> list[dict[str, Any]]:
             dict(strategy="hybrid_opt", method="eigen", sym=True, bucket=25.0, colocate=False),
             dict(strategy="hybrid_opt", method="inverse", sym=False, bucket=0.0, extra=True),
             dict(strategy="hybrid_opt", method="eigen", sym=True, bucket=25.0, ius=3,
-                 spread=3),
+                 spread=3, colocate=False),
         ]
     return cfgs
 
