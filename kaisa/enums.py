@@ -6,6 +6,7 @@ They live in :mod:`kaisa.utils.enums`; this module keeps ``kaisa.enums`` importa
 from __future__ import annotations
 
 from kaisa.utils.enums import AssignmentStrategy as AssignmentStrategy
+from kaisa.utils.enums import BasisRefresh as BasisRefresh
 from kaisa.utils.enums import ComputeMethod as ComputeMethod
 from kaisa.utils.enums import DistributedStrategy as DistributedStrategy
 from kaisa.utils.enums import FactorStorage as FactorStorage
