@@ -56,7 +56,7 @@ def _run(model_name: str, interval: int, spread: int) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         pre.step()
-    parts = curvature._spread or []
+    parts = curvature.decomposition_parts
     blocks = curvature.blocks
     total = sum(block_cost(b) for b in blocks.values())
     ms = {s: round(t * 1e3, 1) for s, t in sorted(seconds.items())}

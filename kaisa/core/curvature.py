@@ -392,16 +392,21 @@ class KFACCurvature:
 
         Every block when ``step % interval == 0`` with ``decomposition_spread=1``; with
         ``decomposition_spread=k`` the parts due (``docs/conventions.md``, "Spread
-        decompositions"; the parts are made on the first call). Empty: none.
+        decompositions"). Empty: none.
 
         Args:
             step: The step count.
             interval: ``inv_update_steps`` at this step.
         """
+        return blocks_due(step, interval, self.decomposition_parts)
+
+    @property
+    def decomposition_parts(self) -> list[list[str]]:
+        """``decomposition_spread``'s parts: per part its blocks' names (made once)."""
         if self._spread is None:
             costs = [(name, block_cost(block)) for name, block in self._blocks.items()]
             self._spread = spread_parts(costs, self._config.decomposition_spread)
-        return blocks_due(step, interval, self._spread)
+        return self._spread
 
     def update_decompositions(
         self, damping: float, *, warm_start: bool = False,

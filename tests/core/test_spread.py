@@ -102,7 +102,6 @@ def test_a_part_holds_the_decomposition_of_its_last_due_step(method: str) -> Non
         spread = kaisa.KFACPreconditioner(model_a, inv_update_steps=interval,
                                           decomposition_spread=k, **kwargs)
         every = kaisa.KFACPreconditioner(model_b, inv_update_steps=1, **kwargs)
-        parts = spread.curvature._spread  # made on the first step
         history: list[dict[str, dict[str, torch.Tensor]]] = []
         for s, (x, y) in enumerate(_batches(steps)):
             for model, pre in ((model_a, spread), (model_b, every)):
@@ -110,8 +109,8 @@ def test_a_part_holds_the_decomposition_of_its_last_due_step(method: str) -> Non
                 F.mse_loss(model(x), y).backward()
                 pre.step()
             history.append(_decompositions(every))
-            parts = spread.curvature._spread
-            assert parts is not None and len(parts) == k and all(parts)
+            parts = spread.curvature.decomposition_parts
+            assert len(parts) == k and all(parts)
             got = _decompositions(spread)
             for j, part in enumerate(parts):
                 offset = (j * interval) // k
@@ -154,8 +153,7 @@ def test_the_adaptive_optimizer_spreads_its_decompositions_too() -> None:
     for x, y in _batches(6):
         opt.zero_grad()
         opt.step(lambda x=x, y=y: (model(x), y))
-    parts = opt.curvature._spread
-    assert parts is not None
+    parts = opt.curvature.decomposition_parts
     names = set(opt.curvature.blocks)
     # steps 0 (all), 2 (part 1: offset 4 // 2), 4 (part 0)
     assert calls == [names, set(parts[1]), set(parts[0])]
