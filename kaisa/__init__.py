@@ -15,6 +15,7 @@ from kaisa.core import KFACConfig
 from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac import EKFAC, BasisRefresh
 from kaisa.kfac import KFAC, Curvature, JacobianMethod
+from kaisa.muon import KFACMuon, MuonCurvature
 from kaisa.preconditioner import KFACPreconditioner, LambdaParamScheduler
 from kaisa.utils.enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, KFACApprox
 
@@ -31,8 +32,10 @@ __all__ = [
     "KFACApprox",
     "KFACConfig",
     "KFACLayer",
+    "KFACMuon",
     "KFACPreconditioner",
     "LambdaParamScheduler",
+    "MuonCurvature",
     "checkpoint",
     "ops",
 ]

@@ -17,6 +17,10 @@ Configurations (``@value`` overrides a learning rate where one is named):
 * ``soap`` / ``soap@lr``: ``bench/convergence/soap.py``.
 * ``adamw+kfac`` / ``adamw+kfac@lr``: ``kaisa.KFACPreconditioner`` (factors every step,
   inverses every 10) + AdamW.
+* ``kfac-muon-MODE[-rK][@lr]``: ``kaisa.KFACMuon`` with ``curvature=MODE`` (``input``,
+  ``eigen``, ``identity``) on the recipe's Muon matrices (lr as ``muon``'s, weight decay
+  0.1, refresh every 10 steps, factor decay 0.95, ``rK``: factors from ``K`` random rows of
+  each call), AdamW as ``muon``'s for the rest.
 * ``ekfac[-OPTION...]@lr``: ``kaisa.EKFAC`` (eigenbases by ``eigh`` every 10 steps), with
   AdamW's betas and eps and factors every step unless an option says otherwise: ``fK``
   factors every K steps with ``factor_decay`` 0.95**K (the running average's horizon kept
@@ -170,6 +174,20 @@ class Run:
                                  lr=_value(name, recipe.muon_lr), weight_decay=0.1),
                 torch.optim.AdamW(decay_groups(rest, recipe.muon_adamw_lr, recipe.decayed)),
             ]
+        elif name.startswith("kfac-muon-"):
+            kind, _, lr_text = name.partition("@")
+            mode, *options = kind.split("-")[2:]
+            rows = next((int(o[1:]) for o in options if re.fullmatch(r"r\d+", o)), None)
+            chosen = [p for n, p in params if recipe.muon_params(n, p)]
+            ids = {id(p) for p in chosen}
+            rest = [(n, p) for n, p in params if id(p) not in ids]
+            self.ekfac = kaisa.KFACMuon(
+                model, lr=_value(name, recipe.muon_lr), weight_decay=0.1, curvature=mode,
+                param_groups=[{"params": chosen},
+                              *decay_groups(rest, recipe.muon_adamw_lr, recipe.decayed)],
+                refresh_steps=10, factor_decay=0.95, factor_rows=rows,
+            )
+            self.optimizers = [self.ekfac]
         elif name == "soap" or name.startswith("soap@"):
             lr = _value(name, recipe.soap_lr)
             self.optimizers = [SOAP(decay_groups(params, lr, recipe.decayed), lr=lr,

@@ -17,6 +17,9 @@ Configurations (``--only`` picks some; the default runs the first nine):
 * ``klshampoo@lr``: ``bench/convergence/kl_shampoo.py`` (Lin et al., ICLR 2026: Shampoo's factors
   fitted by KL minimisation, no Adam grafting; betas (0.9, 0.95), bases every 10 steps;
   the anchors' grid: 3e-3, 1e-2, 3e-2).
+* ``kfac-muon-MODE@lr``: ``kaisa.KFACMuon`` (``curvature`` ``input``, ``eigen`` or
+  ``identity``; ``-rK`` factors from ``K`` rows of each call) on Muon's matrices, AdamW as
+  Muon's for the rest.
 * ``kfac``: ``kaisa.KFAC(model, loss="cross_entropy")`` with its defaults, and
   ``kfac@damping=0.1`` (kaisa-train's ``--task lm`` default: damping 0.1, inverses
   every 5, ``pi_inverse``), and ``kfac-reduce`` (defaults with KFAC-reduce factor
@@ -76,7 +79,8 @@ EXTRA_CONFIGS = ("adamw+kfac", "kfac@damping=0.1", "kfac-reduce", "ekfac-qr@0.00
 KLSHAMPOO_GRID = (3e-3, 1e-2, 3e-2)
 MUON_GRID = (0.02, 0.05, 0.1)
 ANCHOR_CONFIGS = (*(f"klshampoo@{lr:g}" for lr in KLSHAMPOO_GRID),
-                  *(f"muon@{lr:g}" for lr in MUON_GRID))
+                  *(f"muon@{lr:g}" for lr in MUON_GRID),
+                  "kfac-muon-input@0.05", "kfac-muon-eigen@0.05")
 
 
 RECIPE = Recipe(

@@ -87,8 +87,8 @@ class AttentionBlock(LinearBlock):
 
     @property
     def bias(self) -> torch.Tensor | None:
-        """The bias parameter of the product, if any."""
-        return self._bias
+        """The bias parameter of the product, if any (``None`` without a bias column)."""
+        return self._bias if self.bias_column else None
 
     def call_sites(self) -> tuple[CallSite, ...]:
         """The ``F.linear`` calls of the MHA's forward that multiply by the block's rows."""

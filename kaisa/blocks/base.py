@@ -88,6 +88,9 @@ class CurvatureBlock:
     #: ``False`` leaves such a weight to the other module's block (see
     #: :func:`kaisa.blocks.register_blocks`).
     covers_tied: ClassVar[bool] = True
+    #: Whether a bias is part of the block (its column in the gradient matrix, the ones
+    #: column of ``A``); :meth:`drop_bias_column` leaves the bias to a first-order rule.
+    bias_column: bool = True
     #: The rows of each parameter (as :meth:`parameters` lists them) the block covers;
     #: ``None``: every row of every parameter (the common case).
     rows: tuple[slice | None, ...] | None = None
@@ -114,6 +117,18 @@ class CurvatureBlock:
 
     def setup(self) -> None:
         """What a kind derives from its module at construction (default: nothing)."""
+
+    def drop_bias_column(self) -> None:
+        """Makes the block its weight alone (before any statistics): no bias column.
+
+        :attr:`bias` is then ``None``, ``A`` has no column of ones, the gradient matrix is
+        the weight's and the bias (if the module has one) is not covered by the block.
+        """
+        self.bias_column = False
+        self.has_bias = False
+        if self.rows is not None:  # the bias's entry goes with it
+            rows = self.rows[:1]
+            self.rows = None if rows[0] is None else rows
 
     @classmethod
     def supports(cls, module: nn.Module) -> str | None:
@@ -153,7 +168,9 @@ class CurvatureBlock:
 
     @property
     def bias(self) -> torch.Tensor | None:
-        """The module's bias parameter, if any."""
+        """The module's bias parameter, if any (``None`` without a bias column)."""
+        if not self.bias_column:
+            return None
         b = getattr(self.module, "bias", None)
         return b if isinstance(b, torch.Tensor) else None
 

@@ -101,6 +101,7 @@ class KFACCurvature:
         factor_rows: int | None = None,
         row_generator: torch.Generator | None = None,
         max_dense_dim: int | None = None,
+        bias_columns: bool = True,
     ) -> None:
         if factor_rows is not None and not config.update_factors_in_hook:
             raise ValueError("factor_rows needs update_factors_in_hook=True (the row subsets "
@@ -112,6 +113,8 @@ class KFACCurvature:
                                  cross_attention=config.cross_attention_patterns,
                                  factor_rows=factor_rows, row_generator=row_generator,
                                  max_dense_dim=max_dense_dim)
+        self._bias_columns = bias_columns
+        _drop_bias_columns(blocks.values(), bias_columns)
         # Before anything a rank could refuse alone: every rank raises or none does.
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         layers = [(name, b.kind, tuple(b.dims)) for name, b in blocks.items()]
@@ -206,6 +209,7 @@ class KFACCurvature:
                                 cross_modules=self._cross, factor_rows=rows,
                                 row_generator=generator, max_dense_dim=dense)
         new = {n: b for n, b in fresh.items() if b.module is module}
+        _drop_bias_columns(new.values(), self._bias_columns)
         blocks: dict[str, CurvatureBlock] = {}
         for name, block in self._blocks.items():
             if block.module is not module:
@@ -681,6 +685,13 @@ class KFACCurvature:
                 )
                 warnings.warn(msg, RuntimeWarning, stacklevel=5)
                 logger.warning(msg)
+
+
+def _drop_bias_columns(blocks: Iterable[CurvatureBlock], keep: bool) -> None:
+    """Without bias columns (``keep`` false), each Kronecker block is its weight alone."""
+    for block in blocks:
+        if not keep and not block.diagonal:
+            block.drop_bias_column()
 
 
 def _keep_packed(blocks: Iterable[CurvatureBlock], config: KFACConfig) -> None:

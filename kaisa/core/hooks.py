@@ -132,6 +132,9 @@ class StatisticsRecorder:
         self.g_passes = 1
         #: What output gradients are divided by; ``None``: the grad scaler's loss scale.
         self.divisor: float | torch.Tensor | None = None
+        #: Whether recorded forward passes hook their outputs' gradients (``False``: only
+        #: the inputs' A factors are recorded, one-sided; no hook runs in the backward pass).
+        self.output_gradients = True
         #: Keep where the hooked outputs of recorded forward passes enter the graph, in
         #: :attr:`kept_outputs` (until :meth:`end_step`; edges, not the tensors): G's
         #: backward passes need only their gradients (:func:`kaisa.kfac.fisher.record_g`).
@@ -249,6 +252,8 @@ class StatisticsRecorder:
         self._forward_calls[name] = self._forward_calls.get(name, 0) + 1
         self._batch_forward[name] = self._batch_forward.get(name, 0) + 1
         self._timed(self._record_input, layer, x, site)
+        if not self.output_gradients:
+            return
         hook_outputs(outputs, self._grad_hook(layer, x, site, cut))
         if self.keep_outputs:
             self.kept_outputs.extend(get_gradient_edge(t) for t in outputs if t.requires_grad)
