@@ -14,7 +14,9 @@ reaches the dispatcher, views included, as ``docs/benchmarks.md`` counts them), 
   every 100 (its phases count its ``step()`` alone; ``step_sgd`` and the like the SGD step
   after it); ``ekfac``: ``kaisa.EKFAC`` with its defaults (factors every step,
   bases every 10); ``kfac``: ``kaisa.KFAC`` (its ``step(closure)`` runs the forward and
-  backward passes itself, so its phase ``step`` is the whole iteration).
+  backward passes itself, so its phase ``step`` is the whole iteration); ``kfac_muon_input``
+  and ``kfac_muon_eigen``: ``kaisa.KFACMuon`` with ``curvature`` ``'input'`` or ``'eigen'``
+  and its defaults (factors every step, a refresh every 10).
 
 Phases: ``fwd_bwd`` (forward + backward of a step that records nothing), ``fwd_bwd_factor``
 (of a step whose hooks record statistics), ``step`` (the optimizer or product step of a
@@ -56,7 +58,8 @@ from kaisa.train.models.gpt import gpt
 KAISA_LAUNCHES = {"kaisa.eigen_precondition": 5, "kaisa.covariance": 1,
                   "kaisa.conv_covariance": 1, "kaisa.batched_eigh": 1,
                   "kaisa.batched_eigh_status": 1, "kaisa.fold": 3}
-PRODUCTS = ("sgd", "adamw", "muon", "kfac_pre", "ekfac", "kfac")
+PRODUCTS = ("sgd", "adamw", "muon", "kfac_pre", "ekfac", "kfac", "kfac_muon_input",
+            "kfac_muon_eigen")
 
 
 class Calls(TorchDispatchMode):
@@ -157,6 +160,9 @@ def _phases(product: str, name: str, smoke: bool) -> dict[str, dict[str, int]]:
         pre = kaisa.KFACPreconditioner(model, factor_update_steps=10, inv_update_steps=100)
         parts = [("", pre.step),
                  ("_sgd", torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=True).step)]
+    elif product.startswith("kfac_muon_"):
+        mode = product.removeprefix("kfac_muon_")
+        parts = [("", kaisa.KFACMuon(model, lr=0.05, curvature=mode).step)]
     else:
         parts = [("", kaisa.EKFAC(model, lr=1e-3).step)]
     # Which iterations are counted, and as which phases (the others run uncounted).
@@ -166,6 +172,12 @@ def _phases(product: str, name: str, smoke: bool) -> dict[str, dict[str, int]]:
         # factors every step: the steady step is a factor step (the third: the first
         # creates Adam's moments, the second stacks them with the bases)
         "ekfac": {0: ("fwd_bwd_factor", "step_decomposition"), 2: ("fwd_bwd_factor", "step")},
+        # the same schedule (factors every step, a refresh every 10): the third step has
+        # its momentum or moments stacked
+        "kfac_muon_input": {0: ("fwd_bwd_factor", "step_decomposition"),
+                            2: ("fwd_bwd_factor", "step")},
+        "kfac_muon_eigen": {0: ("fwd_bwd_factor", "step_decomposition"),
+                            2: ("fwd_bwd_factor", "step")},
     }.get(product, {1: ("fwd_bwd", "step")})  # the first step of Adam allocates its state
     for i in range(max(counted) + 1):
         model.zero_grad()

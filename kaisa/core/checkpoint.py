@@ -17,8 +17,10 @@ from typing import Any, Protocol
 import torch
 
 from kaisa.core.curvature import KFACCurvature
+from kaisa.utils.ranks import rank, world_size
 
-__all__ = ["KFACCheckpointable", "KFACState", "check_generator_state"]
+__all__ = ["KFACCheckpointable", "KFACState", "check_generator_state", "gathered_generators",
+           "saved_generator"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,3 +80,34 @@ def check_generator_state(state: object) -> None:
         torch.Generator().set_state(state)
     except (TypeError, RuntimeError, ValueError) as err:
         raise ValueError(f"state_dict generator is not a generator state ({err})") from None
+
+
+def saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:
+    """This rank's row-generator state in a ``'kaisa'`` state (checked), or ``None``."""
+    every = extra.get("generators")
+    if every is not None:
+        world = world_size()
+        if not isinstance(every, list | tuple) or len(every) != world:
+            raise ValueError(f"state_dict generators must be a list of {world} generator "
+                             f"states (one per rank), got {type(every).__name__}"
+                             + (f" of {len(every)}" if isinstance(every, list | tuple) else ""))
+        for state in every:
+            check_generator_state(state)
+    generator = extra.get("generator")
+    if generator is not None:
+        check_generator_state(generator)
+    if every is not None:
+        mine = every[rank()]
+        assert isinstance(mine, torch.Tensor)
+        return mine
+    return generator
+
+
+def gathered_generators(state: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``state``, by rank (a collective when ``torch.distributed`` runs)."""
+    world = world_size()
+    if world == 1:
+        return [state]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, state)
+    return [t.clone() for t in out]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.core.checkpoint import KFACState, check_generator_state
+from kaisa.core.checkpoint import KFACState, gathered_generators, saved_generator
 from kaisa.core.config import KFACConfig
 from kaisa.core.curvature import KFACCurvature
 from kaisa.core.schedule import warm_refresh
@@ -42,7 +42,7 @@ from kaisa.utils.first_order import AdamStep, adamw_update, step_count
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
 from kaisa.utils.optim_state import check_known, check_optimizer_state
 from kaisa.utils.profiling import phase
-from kaisa.utils.ranks import rank, world_size
+from kaisa.utils.ranks import rank
 from kaisa.utils.shards import rows_of
 
 __all__ = ["EKFAC", "BasisRefresh"]
@@ -372,7 +372,7 @@ class EKFAC(torch.optim.Optimizer):
                           "generator": self.row_generator.get_state(),
                           **self._schedules.state_dict()}
         if gather:
-            state["kaisa"]["generators"] = _gathered(state["kaisa"]["generator"])
+            state["kaisa"]["generators"] = gathered_generators(state["kaisa"]["generator"])
         if include_factors:
             state["kaisa"]["layers"] = self.curvature.state_dict(gather=gather)
         return state
@@ -400,7 +400,7 @@ class EKFAC(torch.optim.Optimizer):
             what="loaded EKFAC state")
         steps, refreshes = (check_count(name, value) for name, value in counters.items())
         self._schedules.check_state_dict(extra)
-        generator = _saved_generator(extra)
+        generator = saved_generator(extra)
         layers = extra.get("layers")
         self.curvature.check_state_dict(layers)
         check_optimizer_state(state_dict, self.param_groups)
@@ -427,37 +427,6 @@ class EKFAC(torch.optim.Optimizer):
         """Restores :meth:`kfac_state_dict` output, its ``layers`` and ``optimizers['self']``."""
         self.load_state_dict({**state.optimizers.get("self", {}), "kaisa": {
             **state.counters, "layers": dict(state.layers), "generator": state.generator}})
-
-
-def _saved_generator(extra: dict[str, Any]) -> torch.Tensor | None:
-    """This rank's row-generator state in a ``'kaisa'`` state (checked), or ``None``."""
-    every = extra.get("generators")
-    if every is not None:
-        world = world_size()
-        if not isinstance(every, list | tuple) or len(every) != world:
-            raise ValueError(f"state_dict generators must be a list of {world} generator "
-                             f"states (one per rank), got {type(every).__name__}"
-                             + (f" of {len(every)}" if isinstance(every, list | tuple) else ""))
-        for state in every:
-            check_generator_state(state)
-    generator = extra.get("generator")
-    if generator is not None:
-        check_generator_state(generator)
-    if every is not None:
-        mine = every[rank()]
-        assert isinstance(mine, torch.Tensor)
-        return mine
-    return generator
-
-
-def _gathered(state: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``state``, by rank (a collective when ``torch.distributed`` runs)."""
-    world = world_size()
-    if world == 1:
-        return [state]
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, state)
-    return [t.clone() for t in out]
 
 
 def _groups(

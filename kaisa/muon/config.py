@@ -22,7 +22,7 @@ from kaisa.core.config import KFACConfig
 from kaisa.ekfac.config import check_adam_group, check_factor_rows
 from kaisa.muon.newton_schulz import check_adjust_lr_fn
 from kaisa.utils.dtypes import working_dtype
-from kaisa.utils.enums import ComputeMethod, parse_enum
+from kaisa.utils.enums import BasisRefresh, ComputeMethod, parse_enum
 
 __all__ = ["MUON_KINDS", "KFACMuonConfig", "MuonCurvature", "check_muon_group"]
 
@@ -118,6 +118,9 @@ class KFACMuonConfig:
         if wrong or not kinds:
             raise ValueError(f"layer_kinds of KFACMuon must be among {MUON_KINDS} (weight "
                              f"matrices; embeddings and norms take AdamW), got {layer_kinds!r}")
+        if mode is not MuonCurvature.EIGEN:  # checked, but only the eigenbases use it
+            parse_enum(BasisRefresh, core.pop("basis_refresh", BasisRefresh.EIGH),
+                       "basis_refresh")
         kfac = KFACConfig(
             inv_update_steps=refresh_steps,
             compute_method=ComputeMethod.EIGEN if mode is MuonCurvature.EIGEN

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisa.core.checkpoint import KFACState, gathered_generators, saved_generator
 from kaisa.core.curvature import KFACCurvature
 from kaisa.core.schedule import warm_refresh
 from kaisa.distributed.config import DistributedConfig
@@ -188,6 +189,11 @@ class KFACMuon(torch.optim.Optimizer):
                                        settings=config.settings(), method=self._method,
                                        factor_rows=config.factor_rows,
                                        row_generator=self.row_generator, bias_columns=False)
+        if self.mode is MuonCurvature.INPUT and any(
+                b.sharded() for b in self.curvature.blocks.values()):
+            raise ValueError("curvature='input' does not support FSDP2-sharded parameters yet "
+                             "(the running A factors live on one rank there); use "
+                             "curvature='eigen', or DDP")
         # One-sided: Newton-Muon needs the inputs' A alone; identity records nothing.
         self.curvature.recorder.output_gradients = self.mode is MuonCurvature.EIGEN
         muon = {id(b.weight) for b in self.curvature.blocks.values()}
@@ -340,29 +346,27 @@ class KFACMuon(torch.optim.Optimizer):
             scaled: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
             decay: dict[float, list[torch.Tensor]] = {}
 
-            def add(p: torch.Tensor, part: torch.Tensor, rows: int, cols: int) -> None:
+            def add(p: torch.Tensor, target: torch.Tensor, part: torch.Tensor, rows: int,
+                    cols: int) -> None:  # target: p, or the rows of it this rank holds
                 g = group_of[id(p)]
                 if g["weight_decay"] != 0:
-                    decay.setdefault(1 - g["lr"] * g["weight_decay"], []).append(p)
+                    decay.setdefault(1 - g["lr"] * g["weight_decay"], []).append(target)
                 dst, src = scaled.setdefault(
                     -adjusted_lr(g["lr"], g["adjust_lr_fn"], rows, cols), ([], []))
-                dst.append(p)
+                dst.append(target)
                 src.append(part)
 
             for stacked, _, update in results.groups:
                 dst, src = stacked.destinations(update, params=True)
                 for p, part in zip(dst, src, strict=True):
-                    add(p, part, *update.shape[-2:])
-            single: list[tuple[torch.Tensor, torch.Tensor]] = []
+                    add(p, p, part, *update.shape[-2:])
             for entry in results.single:
                 block = entry.block
                 rows, cols = entry.direction.shape[-2:] if not block.sharded() else \
                     block.dims[::-1]
                 for p, part, sl in zip(block.parameters(), block.parts(entry.direction),
                                        block.row_slices(), strict=True):
-                    target = rows_of(p, p, sl)
-                    single.append((target, part))
-                    add(target, part, rows, cols)
+                    add(p, rows_of(p, p, sl), part, rows, cols)
             for factor, ps in decay.items():
                 torch._foreach_mul_(ps, factor)
             for alpha, (dst, src) in scaled.items():
@@ -394,16 +398,24 @@ class KFACMuon(torch.optim.Optimizer):
     def state_dict(  # type: ignore[override]
         self, *, gather: bool = False, include_factors: bool = True
     ) -> dict[str, Any]:
-        """The optimizer state of torch (AdamW's, the eigen step counts) and ``'kaisa'``'s.
+        """The optimizer state of torch (AdamW's, the eigen step counts) and ``'kaisa'``.
 
-        ``'kaisa'`` holds the step and refresh counters, the schedules, this rank's row
-        generator and per block the factors, ``M`` or bases and moments, and the momentum
-        buffer. ``gather`` also collects what other ranks hold (a collective).
+        ``'kaisa'`` holds the step and refresh counters, the schedules, the row
+        generator's state (``'generator'``, this rank's; with ``gather`` also
+        ``'generators'``, every rank's) and per block the factors, ``M`` or the bases and
+        moments, and the momentum buffer.
+
+        Args:
+            gather: Also the block state this rank does not hold (MEM-OPT, HYBRID-OPT;
+                under FSDP2 the running factors other ranks keep): a collective.
+            include_factors: Include the per-block state (``'layers'``).
         """
         state = super().state_dict()
         state["kaisa"] = {"steps": self.steps, "refreshes": self.refreshes,
                           "generator": self.row_generator.get_state(),
                           **self._schedules.state_dict()}
+        if gather:
+            state["kaisa"]["generators"] = gathered_generators(state["kaisa"]["generator"])
         if include_factors:
             state["kaisa"]["layers"] = self.curvature.state_dict(gather=gather)
         return state
@@ -417,21 +429,41 @@ class KFACMuon(torch.optim.Optimizer):
         extra = state_dict.get("kaisa") if isinstance(state_dict, dict) else None
         if not isinstance(extra, dict):
             raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.KFACMuon state dict")
-        check_known("state_dict kaisa", extra, ("steps", "refreshes", "generator", "layers",
-                                                *self._schedules.names()))
-        steps, refreshes = (check_count(n, extra.get(n)) for n in ("steps", "refreshes"))
+        check_known("state_dict kaisa", extra, ("steps", "refreshes", "generator", "generators",
+                                                "layers", *self._schedules.names()))
+        counters = {name: extra.get(name) for name in ("steps", "refreshes")}
+        self.curvature.check_same_on_ranks(
+            {**counters, **{n: extra.get(n) for n in self._schedules.names()}},
+            what="loaded KFACMuon state")
+        steps, refreshes = (check_count(name, value) for name, value in counters.items())
         self._schedules.check_state_dict(extra)
+        generator = saved_generator(extra)
         layers = extra.get("layers")
         self.curvature.check_state_dict(layers)
         check_optimizer_state(state_dict, self.param_groups)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
         self.steps, self.refreshes = steps, refreshes
-        if isinstance(extra.get("generator"), torch.Tensor):
-            self.row_generator.set_state(extra["generator"])
+        if generator is not None:
+            self.row_generator.set_state(generator)
         self._schedules.load_state_dict(extra)
         assert layers is not None
         self.curvature.load_state_dict(layers, damping=0.0)
         self._arm()
+
+    def kfac_state_dict(self) -> KFACState:
+        """Counters and this rank's row generator, as :mod:`kaisa.checkpoint` takes them."""
+        counters = dict(self.state_dict(include_factors=False)["kaisa"])
+        return KFACState(counters=counters, generator=counters.pop("generator"),
+                         generator_per_rank=True)
+
+    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """None: KFACMuon steps every parameter itself."""
+        return {}
+
+    def load_kfac_state_dict(self, state: KFACState) -> None:
+        """Restores :meth:`kfac_state_dict` output, its ``layers`` and ``optimizers['self']``."""
+        self.load_state_dict({**state.optimizers.get("self", {}), "kaisa": {
+            **state.counters, "layers": dict(state.layers), "generator": state.generator}})
 
 
 def _groups(

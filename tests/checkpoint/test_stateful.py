@@ -1,7 +1,7 @@
 """Each product as a DCP ``Stateful`` in the user's own ``dcp.save``/``dcp.load`` dict.
 
 On 2 gloo ranks (MEM-OPT: each rank holds its own decompositions; EKFAC's row generator
-seeded per rank) every product is trained ``K`` steps, saved with ``dcp.save`` in a dict
+seeded per rank; KFACMuon in both curvature modes) every product is trained ``K`` steps, saved with ``dcp.save`` in a dict
 composed as torchtitan composes one (``'model'``, ``'optim'`` and the K-FAC state as
 :class:`kaisa.checkpoint.KFACStateful`), and trained ``M`` more (the reference). Fresh
 objects (other initial weights) load the checkpoint with ``dcp.load`` and train the same
@@ -34,7 +34,7 @@ from tests.support.dist import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-PRODUCTS = ("preconditioner", "ekfac", "kfac")
+PRODUCTS = ("preconditioner", "ekfac", "kfac", "kfac_muon_input", "kfac_muon_eigen")
 K, M = 2, 3  # decompositions every 3 steps: the steps after loading use the saved ones
 BATCH = 8
 
@@ -59,6 +59,11 @@ def _build(product: str, seed: int) -> tuple[nn.Module, nn.Module, torch.optim.O
         opt = kaisa.EKFAC(model, lr=1e-2, eps=1e-6, weight_decay=0.1, basis_update_steps=3,
                           basis_refresh="qr", grad_worker_fraction="mem_opt", factor_rows=5)
         return model, net, opt, None
+    if product.startswith("kfac_muon_"):
+        opt = kaisa.KFACMuon(model, lr=0.05, curvature=product.removeprefix("kfac_muon_"),
+                             refresh_steps=3, basis_refresh="qr", factor_rows=5,
+                             grad_worker_fraction="mem_opt")
+        return model, net, opt, None
     pre = kaisa.KFACPreconditioner(model, grad_worker_fraction="mem_opt", inv_update_steps=3,
                                    inv_dtype=torch.float64, damping=0.01, lr=0.1)
     return model, net, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), pre
@@ -81,7 +86,7 @@ def _step(product: str, net: nn.Module, opt: torch.optim.Optimizer,
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer,
            pre: kaisa.KFACPreconditioner | None) -> dict[str, Any]:
-    """The user's DCP dict: EKFAC and KFAC are the optimizer, so they are its entry."""
+    """The user's DCP dict: EKFAC, KFAC and KFACMuon are the optimizer, its entry."""
     if pre is None:
         return {"model": get_model_state_dict(model), "optim": KFACStateful(product=opt)}
     return {"model": get_model_state_dict(model),
