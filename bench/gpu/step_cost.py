@@ -8,8 +8,10 @@ Tasks (synthetic inputs; every model of a task built from the same seed):
   eigendecompositions every 100 steps (KAISA's 10/100).
 * ``gpt``: the byte GPT at a GPU size (d 768, 12 layers, 12 heads, context 1024, batch 8)
   under bf16 autocast. ``adamw`` (lr 3e-3) against ``torch.optim.Muon`` (lr 0.05 on the
-  blocks' matrices, AdamW on the rest) and ``kaisa.EKFAC`` (lr 3e-3, factors every
-  step, eigenbases every 10).
+  blocks' matrices, AdamW on the rest), ``kaisa.EKFAC`` (lr 3e-3, factors every
+  step, eigenbases every 10) and ``kaisa.KFACMuon`` with ``curvature`` ``'input'`` and
+  ``'eigen'`` (Muon's groups and learning rates; factors every step, a refresh every 10),
+  whose baseline is Muon.
 * ``autoencoder``: 784-400-200-100-50-25-6 and back (batch 256), MSE. ``adam`` against
   ``kaisa.KFAC(loss="mse")`` (adaptive, defaults).
 
@@ -162,7 +164,7 @@ def resnet50_configs(s: Setup) -> tuple[list[Config], dict[str, Any]]:
 
 
 def gpt_configs(s: Setup) -> tuple[list[Config], dict[str, Any]]:
-    """AdamW, Muon and EKFAC on the byte GPT under bf16 autocast."""
+    """AdamW, Muon, EKFAC and KFACMuon (both curvatures) on the byte GPT under bf16 autocast."""
     sizes = (dict(d_model=32, n_layers=2, n_heads=4, context=16) if s.tiny else
              dict(d_model=768, n_layers=12, n_heads=12, context=1024))
     batch = 2 if s.tiny else 8
@@ -193,6 +195,18 @@ def gpt_configs(s: Setup) -> tuple[list[Config], dict[str, Any]]:
                         basis_update_steps=10)
     configs.append(Config("ekfac", "adamw", train_step(model, loss, data, ekfac, autocast=bf16),
                           {"F": 1, "I": 10}))
+    for mode in ("input", "eigen"):  # KFACMuon's curvatures against Muon, as muon's groups
+        model = build()
+        named = dict(model.named_parameters())
+        chosen = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
+        others = [p for p in named.values() if all(p is not q for q in chosen)]
+        kfac_muon = kaisa.KFACMuon(model, lr=0.05, weight_decay=0.1, curvature=mode,
+                                   param_groups=[{"params": chosen},
+                                                 {"params": others, "lr": 3e-3,
+                                                  "weight_decay": 0.1}])
+        configs.append(Config(f"kfac-muon {mode}", "muon",
+                              train_step(model, loss, data, kfac_muon, autocast=bf16),
+                              {"F": 1, "I": 10}))
     params = sum(p.numel() for p in model.parameters())
     return configs, {**sizes, "batch": batch, "autocast": "bf16", "parameters": params}
 
@@ -419,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
 STEPS = {"resnet50": (3, 5, 21), "gpt": (3, 2, 12), "autoencoder": (3, 3, 10)}
 """Warm-up steps, rounds and steps a round per task (``--warmup`` etc. override)."""
 
-ESTIMATE_S = {"resnet50": 40.0, "gpt": 60.0, "autoencoder": 15.0}
+ESTIMATE_S = {"resnet50": 40.0, "gpt": 100.0, "autoencoder": 15.0}
 """Seconds a task takes on an H100 (ResNet-50 measured: 34 s): one that would start with
 less than half of it left is not run."""
 

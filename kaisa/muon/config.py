@@ -78,6 +78,8 @@ class KFACMuonConfig:
         adam_eps: ``'eigen'``'s Adam ``eps``.
         ns_dtype: Dtype of the Newton-Schulz iteration.
         factor_rows: Rows each call keeps for its factors (``None``: every row).
+        max_input_dim: ``'input'``: the widest diagonal block of ``A`` (``None``: dense).
+        max_basis_dim: ``'eigen'``: sides wider than this keep the identity basis.
         seed: Seed of the row generator.
         kfac: The curvature core's configuration.
     """
@@ -88,6 +90,8 @@ class KFACMuonConfig:
     adam_eps: float
     ns_dtype: torch.dtype
     factor_rows: int | None
+    max_input_dim: int | None
+    max_basis_dim: int | None
     seed: int
     kfac: KFACConfig
 
@@ -95,6 +99,7 @@ class KFACMuonConfig:
     def of(
         cls, *, curvature: MuonCurvature | str, ridge: float, beta2: float, adam_eps: float,
         ns_dtype: torch.dtype, factor_rows: int | None, seed: int, refresh_steps: Any,
+        max_input_dim: int | None = None, max_basis_dim: int | None = None,
         inv_dtype: torch.dtype | None, weight_dtype: torch.dtype,
         layer_kinds: str | tuple[str, ...], **core: Any,
     ) -> KFACMuonConfig:
@@ -109,6 +114,12 @@ class KFACMuonConfig:
         if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
             raise ValueError(f"ns_dtype must be a floating-point torch.dtype, got {ns_dtype!r}")
         check_factor_rows(factor_rows)
+        check_factor_rows(max_input_dim, "max_input_dim")
+        check_factor_rows(max_basis_dim, "max_basis_dim")
+        if max_input_dim is not None and mode is not MuonCurvature.INPUT:
+            raise ValueError("max_input_dim applies to curvature='input' only")
+        if max_basis_dim is not None and mode is not MuonCurvature.EIGEN:
+            raise ValueError("max_basis_dim applies to curvature='eigen' only")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
         kinds = KFACConfig(layer_kinds=layer_kinds).layer_kinds  # type: ignore[arg-type]
@@ -133,10 +144,12 @@ class KFACMuonConfig:
         )
         return cls(curvature=mode, ridge=float(ridge), beta2=float(beta2),
                    adam_eps=float(adam_eps), ns_dtype=ns_dtype, factor_rows=factor_rows,
-                   seed=seed, kfac=kfac)
+                   max_input_dim=max_input_dim, max_basis_dim=max_basis_dim, seed=seed,
+                   kfac=kfac)
 
     def settings(self) -> dict[str, object]:
         """The settings every rank must share, beyond the core's."""
         return {"curvature": self.curvature.value, "ridge": self.ridge, "beta2": self.beta2,
                 "adam_eps": self.adam_eps, "ns_dtype": str(self.ns_dtype),
-                "factor_rows": self.factor_rows, "seed": self.seed}
+                "factor_rows": self.factor_rows, "max_input_dim": self.max_input_dim,
+                "max_basis_dim": self.max_basis_dim, "seed": self.seed}

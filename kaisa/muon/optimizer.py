@@ -36,7 +36,7 @@ from kaisa.ekfac.config import check_adam_group
 from kaisa.methods import EigenAdamMethod
 from kaisa.methods.base import State
 from kaisa.muon.config import MUON_KINDS, KFACMuonConfig, MuonCurvature, check_muon_group
-from kaisa.muon.methods import InputMuonMethod, input_inverse
+from kaisa.muon.methods import InputMuonMethod, input_inverse, input_parts
 from kaisa.muon.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
@@ -45,7 +45,13 @@ from kaisa.muon.newton_schulz import (
     momentum_update,
     orthogonalize,
 )
-from kaisa.utils.enums import AssignmentStrategy, BasisRefresh, DistributedStrategy, KFACApprox
+from kaisa.utils.enums import (
+    AssignmentStrategy,
+    BasisRefresh,
+    DistributedStrategy,
+    KFACApprox,
+    Side,
+)
 from kaisa.utils.first_order import AdamStep, adamw_update, step_count
 from kaisa.utils.hyperparams import Schedule, Schedules, check_count
 from kaisa.utils.optim_state import check_known, check_optimizer_state
@@ -93,6 +99,11 @@ class KFACMuon(torch.optim.Optimizer):
         ns_dtype: Dtype of the Newton-Schulz iteration (Muon's bfloat16).
         factor_rows: Rows each call of a block keeps for its factors (a random subset,
             ``docs/conventions.md``, "Row-subsampled factor statistics"; ``None``: all).
+        max_input_dim: ``'input'``: an input wider than this is split into equal diagonal
+            blocks of at most this width (``A`` replaced by its block diagonal; ``None``:
+            dense).
+        max_basis_dim: ``'eigen'``: sides wider than this keep the identity basis (as
+            EKFAC's one-sided bases; ``None``: every side rotated).
         seed: Seed of the row generator (``seed + rank``).
         layer_kinds: The block kinds whose weights take the Muon step.
         skip_layers: Module or class names (regular expressions) left to AdamW.
@@ -146,6 +157,8 @@ class KFACMuon(torch.optim.Optimizer):
         eigh_every: int = 10,
         ns_dtype: torch.dtype = torch.bfloat16,
         factor_rows: int | None = None,
+        max_input_dim: int | None = None,
+        max_basis_dim: int | None = None,
         seed: int = 0,
         layer_kinds: str | tuple[str, ...] = MUON_KINDS,
         skip_layers: str | list[str] | None = None,
@@ -171,6 +184,7 @@ class KFACMuon(torch.optim.Optimizer):
         self.config = config = KFACMuonConfig.of(
             curvature=curvature, ridge=ridge, beta2=beta2, adam_eps=adam_eps,
             ns_dtype=ns_dtype, factor_rows=factor_rows, seed=seed, refresh_steps=refresh_steps,
+            max_input_dim=max_input_dim, max_basis_dim=max_basis_dim,
             inv_dtype=inv_dtype, weight_dtype=params[0].dtype if params else torch.float32,
             layer_kinds=layer_kinds, factor_update_steps=factor_update_steps,
             factor_decay=factor_decay, basis_refresh=basis_refresh, eigh_every=eigh_every,
@@ -183,12 +197,13 @@ class KFACMuon(torch.optim.Optimizer):
         )
         self.mode = config.curvature
         self._method = (EigenAdamMethod() if self.mode is MuonCurvature.EIGEN
-                        else InputMuonMethod(config.ridge))
+                        else InputMuonMethod(config.ridge, config.max_input_dim))
         self.row_generator = torch.Generator().manual_seed(config.seed + rank())
         self.curvature = KFACCurvature(model, config.kfac, stacklevel=2,
                                        settings=config.settings(), method=self._method,
                                        factor_rows=config.factor_rows,
-                                       row_generator=self.row_generator, bias_columns=False)
+                                       row_generator=self.row_generator, bias_columns=False,
+                                       max_dense_dim=config.max_basis_dim)
         if self.mode is MuonCurvature.INPUT and any(
                 b.sharded() for b in self.curvature.blocks.values()):
             raise ValueError("curvature='input' does not support FSDP2-sharded parameters yet "
@@ -268,8 +283,9 @@ class KFACMuon(torch.optim.Optimizer):
                 dtype = self.config.kfac.inv_dtype
                 for members in by_size.values():
                     stack = torch.cat([a for _, a in members])
+                    parts = input_parts(stack.shape[-1], self.config.max_input_dim)
                     inverse = input_inverse(stack, self.config.ridge, dtype,
-                                            name=f"A of {members[0][0].name}")
+                                            name=f"A of {members[0][0].name}", parts=parts)
                     sizes = [a.shape[0] for _, a in members]
                     for (block, _), part in zip(members, torch.split(inverse, sizes),
                                                 strict=True):
@@ -296,13 +312,14 @@ class KFACMuon(torch.optim.Optimizer):
         return self.curvature.any_rank(bool(found_inf.item()))
 
     def _direction(self, state: State, grad: torch.Tensor, group: dict[str, Any],
-                   count: float) -> torch.Tensor:
+                   count: float, diagonal: frozenset[Side] = frozenset()) -> torch.Tensor:
         """``O`` of one block or of a stack of one shape (conventions, steps 1-3)."""
         if self.mode is MuonCurvature.EIGEN:
             assert isinstance(self._method, EigenAdamMethod)
             step = AdamStep(-1.0, float(group["momentum"]), self.config.beta2,
                             self.config.adam_eps, count)
-            u = self._method.adam_step(state, grad, step, dtype=self.config.kfac.inv_dtype)
+            u = self._method.adam_step(state, grad, step, dtype=self.config.kfac.inv_dtype,
+                                       diagonal=diagonal)
         else:
             p = grad if "a_inv" not in state else self._method.precondition(state, grad, 0.0)
             assert p is not None
@@ -338,7 +355,8 @@ class KFACMuon(torch.optim.Optimizer):
 
         results = self.curvature.transform_grouped(
             lambda block, grad: self._direction(block.decomposition, grad, group(block.name),
-                                                counts.get(block.name, 0.0)),
+                                                counts.get(block.name, 0.0),
+                                                block.diagonal_sides),
             lambda g, grad: self._direction(g.stacked, grad, group(g.blocks[0].name),
                                             counts.get(g.blocks[0].name, 0.0)),
             uniform=lambda g: len({key(b.name) for b in g.blocks}) == 1)

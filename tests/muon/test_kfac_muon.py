@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kaisa
+from kaisa.muon.methods import input_parts
 from kaisa.muon.newton_schulz import DEFAULT_NS_COEFFICIENTS
 
 _QUIET = pytest.mark.filterwarnings("ignore:.*the hooks of registered layer")
@@ -148,8 +149,10 @@ def _inputs(model: nn.Module) -> dict[nn.Module, list[torch.Tensor]]:
 
 
 @_QUIET
-@pytest.mark.parametrize("kind", ["transformer", "conv"])
-def test_input_mode_equals_explicit_matrices_float64(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "widest"), [("transformer", None), ("conv", None),
+                                              ("transformer", 8), ("conv", 6)])
+def test_input_mode_equals_explicit_matrices_float64(kind: str, widest: int | None) -> None:
+    """``widest``: ``max_input_dim`` (``A`` replaced by its block diagonal)."""
     torch.manual_seed(0)
     dtype = torch.float64
     model = (_Net() if kind == "transformer" else _Conv()).to(dtype)
@@ -157,7 +160,7 @@ def test_input_mode_equals_explicit_matrices_float64(kind: str) -> None:
     lr, wd, mu, rho, ridge = 0.05, 0.1, 0.9, 0.8, 0.3
     opt = kaisa.KFACMuon(model, lr=lr, weight_decay=wd, momentum=mu, curvature="input",
                          refresh_steps=2, factor_decay=rho, ridge=ridge, ns_dtype=dtype,
-                         adamw_lr=1e-2, adamw_eps=1e-4)
+                         adamw_lr=1e-2, adamw_eps=1e-4, max_input_dim=widest)
     blocks = opt.curvature.blocks
     assert all(b.a is None and b.g is None for b in blocks.values())
     # the explicit reference: per block weight (and the MHA's out_proj input)
@@ -206,6 +209,11 @@ def test_input_mode_equals_explicit_matrices_float64(kind: str) -> None:
             if step % 2 == 0:
                 a = running[name]
                 k = a.diagonal().mean()
+                parts = input_parts(len(a), widest)
+                if parts > 1:
+                    d = len(a) // parts
+                    a = torch.block_diag(*(a[i * d:(i + 1) * d, i * d:(i + 1) * d]
+                                           for i in range(parts)))
                 eye = torch.eye(len(a), dtype=dtype)
                 inverse[name] = torch.linalg.inv(a / k + ridge * eye)
             grad = w.grad.reshape(w.shape[0], -1)
@@ -253,7 +261,9 @@ class _Plain(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def test_eigen_mode_orthogonalises_ekfacs_update_float64() -> None:
+@pytest.mark.parametrize("dense", [None, 6])
+def test_eigen_mode_orthogonalises_ekfacs_update_float64(dense: int | None) -> None:
+    """``dense``: ``max_basis_dim`` (the 7-wide sides keep the identity basis, as EKFAC's)."""
     torch.manual_seed(0)
     dtype = torch.float64
     model = _Plain().to(dtype)
@@ -261,9 +271,9 @@ def test_eigen_mode_orthogonalises_ekfacs_update_float64() -> None:
     lr, wd, b1, b2 = 0.05, 0.1, 0.9, 0.95
     opt = kaisa.KFACMuon(model, lr=lr, weight_decay=wd, momentum=b1, beta2=b2,
                          adam_eps=1e-8, curvature="eigen", refresh_steps=2,
-                         basis_refresh="eigh", ns_dtype=dtype)
+                         basis_refresh="eigh", ns_dtype=dtype, max_basis_dim=dense)
     ekfac = kaisa.EKFAC(ref, lr=1.0, betas=(b1, b2), eps=1e-8, weight_decay=0.0,
-                        basis_update_steps=2, basis_refresh="eigh")
+                        basis_update_steps=2, basis_refresh="eigh", max_basis_dim=dense)
     g = torch.Generator().manual_seed(3)
     for step in range(5):
         x = torch.randn(9, 6, generator=g, dtype=dtype)
@@ -284,6 +294,9 @@ def test_eigen_mode_orthogonalises_ekfacs_update_float64() -> None:
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=f"step {step}")
     assert all(b.g is not None for b in opt.curvature.blocks.values())
+    sides = {n: set(b.diagonal_sides) for n, b in opt.curvature.blocks.items()}
+    assert sides == ({"a": set(), "b": set()} if dense is None else
+                     {"a": {kaisa.utils.enums.Side.G}, "b": {kaisa.utils.enums.Side.A}})
 
 
 # ----------------------------------------------------------------------------- product
@@ -355,6 +368,10 @@ def test_bad_arguments_are_refused() -> None:
         kaisa.KFACMuon(_Net(), adjust_lr_fn="sqrt")
     with pytest.raises(ValueError, match="momentum"):
         kaisa.KFACMuon(_Net(), momentum=1.0)
+    with pytest.raises(ValueError, match="max_input_dim applies"):
+        kaisa.KFACMuon(_Net(), curvature="eigen", max_input_dim=4)
+    with pytest.raises(ValueError, match="max_basis_dim applies"):
+        kaisa.KFACMuon(_Net(), curvature="input", max_basis_dim=4)
     with pytest.raises(ValueError, match="model must be"):
         kaisa.KFACMuon(_Net().parameters())  # type: ignore[arg-type]
 
