@@ -414,3 +414,46 @@ def test_overflowed_step_changes_nothing(mode: str) -> None:
     scaler.step(opt)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@_QUIET
+@pytest.mark.parametrize("mode", ["input", "eigen"])
+def test_accumulation_equals_the_whole_batch_float64(mode: str) -> None:
+    """Two micro-batches of half the rows (loss halved) equal one step on all of them."""
+    torch.manual_seed(0)
+    whole = _Plain().double()
+    split = copy.deepcopy(whole)
+    kwargs = dict(lr=0.05, curvature=mode, refresh_steps=2, ns_dtype=torch.float64,
+                  adamw_eps=1e-4)
+    one = kaisa.KFACMuon(whole, **kwargs)  # type: ignore[arg-type]
+    two = kaisa.KFACMuon(split, accumulation_steps=2, **kwargs)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+        target = torch.randn(8, 4, generator=g, dtype=torch.float64)
+        F.mse_loss(whole(x), target).backward()
+        one.step()
+        one.zero_grad()
+        for half in (slice(0, 4), slice(4, 8)):
+            (F.mse_loss(split(x[half]), target[half]) / 2).backward()
+        two.step()
+        two.zero_grad()
+        for p, q in zip(whole.parameters(), split.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+@_QUIET
+@pytest.mark.parametrize("mode", ["input", "eigen"])
+def test_bf16_autocast_stays_finite(mode: str) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    opt = kaisa.KFACMuon(model, lr=0.05, curvature=mode, refresh_steps=2)
+    for x, y in _batches(4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(b.a is not None and torch.isfinite(b.a).all()
+               for b in opt.curvature.blocks.values())
