@@ -18,43 +18,45 @@ Phases, in the order a step uses them:
 * :meth:`~KFACCurvature.precondition` (the damping; gradients given or read from
   ``.grad``), returning :class:`~kaisa.blocks.Preconditioned` directions and writing
   nothing, or :meth:`~KFACCurvature.transform` (a product's per-block rule in place of the
-  method's preconditioning: EKFAC's Adam step in the eigenbasis);
+  method's preconditioning: EKFAC's Adam step in the eigenbasis, KFACMuon's step);
 * :meth:`~KFACCurvature.end_step`, or :meth:`~KFACCurvature.discard` for an abandoned
   step;
 * rank reductions (:meth:`~KFACCurvature.any_rank`, :meth:`~KFACCurvature.mean_over_ranks`)
   and the state dict.
 
-:class:`~kaisa.KFACPreconditioner` (kfac-pytorch's API: schedules, KL clip, write-back)
-and :class:`~kaisa.KFAC` (quadratic model, AMP) are products around it.
+:class:`~kaisa.KFACPreconditioner` (kfac-pytorch's API: schedules, KL clip, write-back),
+:class:`~kaisa.KFAC` (quadratic model, AMP), :class:`~kaisa.EKFAC` and
+:class:`~kaisa.KFACMuon` are products around it. The class is written in four modules:
+this one (construction, layout, factor and decomposition phases),
+:mod:`kaisa.core.recording` (arming the hooks), :mod:`kaisa.core.directions`
+(preconditioning and product rules) and :mod:`kaisa.core.state` (ranks, checkpoints,
+sizes).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
-from fractions import Fraction
+from collections.abc import Collection, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
-from kaisa.blocks import CurvatureBlock, Preconditioned, RunningFactors, register_blocks
+from kaisa.blocks import CurvatureBlock, register_blocks
 from kaisa.blocks.attention import undecided_attention
-from kaisa.blocks.collection import check_blocks_state, memory_usage, skipped_factor_updates
 from kaisa.blocks.state import fold_all
 from kaisa.core.config import KFACConfig
 from kaisa.core.coverage import FIRST_ORDER, coverage_line, parameter_coverage
-from kaisa.core.folding import FactorFolding, Fold
-from kaisa.core.grouped import BlockGroup, GroupedDirections, GroupRule, run_groups
+from kaisa.core.directions import DirectionPhases
+from kaisa.core.folding import FactorFolding
+from kaisa.core.grouped import BlockGroup
 from kaisa.core.hooks import StatisticsRecorder
+from kaisa.core.recording import RecordingControl
 from kaisa.core.schedule import block_cost, blocks_due, spread_parts, warm_refresh
-from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine, FactorSize, MemoryEstimate
-from kaisa.distributed.agreement import check_same_on_ranks
-from kaisa.distributed.engine import BlockRule
-from kaisa.distributed.fsdp import rounds
-from kaisa.distributed.gather import gather_decompositions, gather_factors
+from kaisa.core.state import CurvatureState
+from kaisa.distributed import LARGE_FACTOR_DIM, DistributedEngine
 from kaisa.distributed.memory import large_factor_message
 from kaisa.methods import SecondOrderMethod, make_method
 from kaisa.utils.enums import FactorStorage
@@ -68,7 +70,7 @@ logger = logging.getLogger("kaisa")
 TIMING_KEYS = ("factors", "communication", "decompositions", "preconditioning")
 
 
-class KFACCurvature:
+class KFACCurvature(RecordingControl, DirectionPhases, CurvatureState):
     """Kronecker-factored curvature of a model's registered blocks, on every rank.
 
     Args:
@@ -279,73 +281,6 @@ class KFACCurvature:
         """Adds the block's host seconds to ``timings[key]`` (:class:`.profiling.timed`)."""
         return timed(self._timings, key)
 
-    # ------------------------------------------------------------------ recording
-    @property
-    def recording(self) -> bool:
-        """Whether forward passes record statistics (the product arms it per step)."""
-        return self._recorder.recording
-
-    @recording.setter
-    def recording(self, value: bool) -> None:
-        self._recorder.recording = bool(value)
-
-    def arm(self, recording: bool, *, decay: float, zero_start: bool = False) -> None:
-        """Whether the coming forward passes record statistics, and how they are folded.
-
-        The recorded micro-batches are folded into the running factors where they are
-        computed, with the step's decay ``rho`` (``docs/conventions.md``, "Folding
-        statistics where they are computed"), and the running factors are averaged over
-        ranks by the end of the backward pass. Blocks whose running factors some ranks do
-        not hold (FSDP2) have their averaged batch factors folded on the ranks that hold
-        them as they arrive; those whose uses are combined (a tied weight) keep batch
-        factors until :meth:`update_factors`.
-
-        Args:
-            recording: Whether to record (a factor-update step).
-            decay: The running-average decay of the step.
-            zero_start: Running factors that do not exist yet start from zero, not the
-                identity.
-        """
-        self.recording = recording
-        self._folding.arm(self._blocks.values(), decay if recording else None,
-                          zero_start=zero_start, foldable=self._foldable)
-
-    def _foldable(self, block: CurvatureBlock) -> Fold:
-        """Where ``block`` folds its statistics (:class:`~kaisa.core.folding.Fold`)."""
-        if type(block).combine is not CurvatureBlock.combine:
-            return Fold.IN_STEP
-        if len(self._engine.factor_holders(block.name)) == self._engine.world_size:
-            return Fold.WHERE_COMPUTED
-        return Fold.ON_ARRIVAL
-
-    @property
-    def recorder(self) -> StatisticsRecorder:
-        """The hooks that record the statistics (``keep_outputs``, ``kept_outputs``)."""
-        return self._recorder
-
-    @contextmanager
-    def output_gradients(
-        self, *, passes: int, divisor: float | torch.Tensor | None = None
-    ) -> Iterator[None]:
-        """Scopes which backward passes record G factors.
-
-        Outside any scope every backward pass of a recorded forward records G, divided by
-        the configured grad scaler's loss scale.
-
-        Args:
-            passes: Backward passes per recorded forward in the block (one per
-                Monte-Carlo sample); 0 records none.
-            divisor: What output gradients are divided by in the block (e.g. a Fisher
-                scale times the loss scale); ``None`` keeps the grad scaler's scale.
-        """
-        recorder = self._recorder
-        previous = (recorder.g_passes, recorder.divisor)
-        recorder.g_passes, recorder.divisor = passes, divisor
-        try:
-            yield
-        finally:
-            recorder.g_passes, recorder.divisor = previous
-
     # ------------------------------------------------------------------ phases
     def update_factors(self, decay: float, *, zero_start: bool = False) -> None:
         """Averages the step's batch factors over ranks and folds them in.
@@ -428,129 +363,6 @@ class KFACCurvature:
         with self.timed("decompositions"):
             self._engine.update_decompositions(damping, warm_start=warm_start, blocks=blocks)
 
-    def precondition(
-        self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
-    ) -> list[Preconditioned]:
-        """Every block's preconditioned gradient matrix; writes nothing.
-
-        Args:
-            damping: The damping of the method's precondition step.
-            grads: ``parameter -> gradient`` to precondition; by default the
-                parameters' ``.grad`` (a block whose weight has none is left out).
-
-        Returns:
-            One entry per block with a gradient and a result, in model order.
-        """
-        with self.timed("preconditioning"):
-            return self._precondition(damping, grads)
-
-    def precondition_grouped(
-        self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
-    ) -> GroupedDirections:
-        """:meth:`precondition`, blocks of one shape stacked.
-
-        The blocks :mod:`kaisa.core.grouped` can stack (this rank preconditions them and
-        sends them to no one; plain layouts, dense factors) come back as stacks, one
-        method call per group; the others as :meth:`precondition` gives them. Write them
-        with :func:`kaisa.core.clipping.write_directions`, or read them per parameter with
-        :func:`kaisa.core.clipping.grouped_parameter_directions`. Writes nothing.
-
-        Args:
-            damping: The damping of the method's precondition step.
-            grads: As for :meth:`precondition` (by default the parameters' ``.grad``).
-        """
-        method = self._method
-        with self.timed("preconditioning"):
-            groups, done = run_groups(
-                self._blocks, self._engine, method, self._groups,
-                lambda group, grad: method.precondition(group.stacked, grad, damping),
-                grads=grads)
-            return GroupedDirections(groups, self._precondition(damping, grads, skip=done))
-
-    def transform_grouped(
-        self, rule: BlockRule, group_rule: GroupRule,
-        uniform: Callable[[BlockGroup], bool] | None = None,
-    ) -> GroupedDirections:
-        """:meth:`transform` of the parameters' ``.grad``, blocks of one shape stacked.
-
-        Args:
-            rule: The per-block computation (as for :meth:`transform`).
-            group_rule: The same on a group's stacks: ``group_rule(group, gradient stack)``
-                with the stacked entries in ``group.stacked`` (those it creates are handed
-                to the blocks).
-            uniform: Whether a group's blocks may share one call this step; a group that
-                may not takes ``rule`` block by block.
-        """
-        with self.timed("preconditioning"):
-            groups, done = run_groups(self._blocks, self._engine, self._method, self._groups,
-                                      group_rule, uniform)
-            return GroupedDirections(groups, self._transform(rule, None, skip=done))
-
-    def _precondition(
-        self, damping: float, grads: Mapping[torch.Tensor, torch.Tensor] | None,
-        skip: frozenset[str] | set[str] = frozenset(),
-    ) -> list[Preconditioned]:
-        out: list[Preconditioned] = []
-        rule = self._engine.preconditioning(damping)
-        for names in rounds(self._blocks):  # all at once, or one block at a time (FSDP2)
-            matrices, local = {}, {}
-            names = [name for name in names if name not in skip]
-            for name in names:
-                block = self._blocks[name]
-                if block.sharded():  # its workers precondition it, each rank gets its rows
-                    out += self._engine.sharded(block, rule if not block.diagonal else (
-                        lambda b, m: b.precondition_diagonal(m, damping)), grads)
-                    continue
-                matrix = block.gradient_matrix(_own(block, grads))
-                if matrix is None:
-                    continue
-                if not block.diagonal:
-                    matrices[name] = matrix
-                elif (direction := block.precondition_diagonal(matrix, damping)) is not None:
-                    local[name] = Preconditioned(block, matrix, direction)
-            kron = {e.block.name: e for e in self._engine.transform(matrices, rule)}
-            out += [kron.get(name) or local[name] for name in names
-                    if name in kron or name in local]
-        return out
-
-    def transform(
-        self, rule: BlockRule, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
-    ) -> list[Preconditioned]:
-        """Every Kronecker block's gradient matrix through a product's ``rule``; writes nothing.
-
-        The block's gradient workers run ``rule(block, matrix)``, which may keep state in
-        ``block.decomposition`` (kept, checkpointed and gathered with the decompositions);
-        the other ranks receive the result
-        (:meth:`~kaisa.distributed.DistributedEngine.transform`). Diagonal blocks are left out.
-
-        Args:
-            rule: The per-block computation.
-            grads: As for :meth:`precondition`.
-
-        Returns:
-            One entry per Kronecker block with a gradient and a result, in model order.
-        """
-        with self.timed("preconditioning"):
-            return self._transform(rule, grads)
-
-    def _transform(
-        self, rule: BlockRule, grads: Mapping[torch.Tensor, torch.Tensor] | None,
-        skip: frozenset[str] | set[str] = frozenset(),
-    ) -> list[Preconditioned]:
-        out: list[Preconditioned] = []
-        for names in rounds(self._blocks):
-            matrices = {}
-            for name in names:
-                block = self._blocks[name]
-                if block.diagonal or name in skip:
-                    continue
-                if block.sharded():
-                    out += self._engine.sharded(block, rule, grads)
-                elif (matrix := block.gradient_matrix(_own(block, grads))) is not None:
-                    matrices[name] = matrix
-            out += self._engine.transform(matrices, rule)
-        return out
-
     def end_step(self) -> None:
         """Ends a step: the recorder's per-step counters restart (and unused row draws go)."""
         for block in self._blocks.values():
@@ -565,104 +377,6 @@ class KFACCurvature:
         self._engine.drop_pending()
         self._recorder.end_step()
         self._folding.end_round()
-
-    # ------------------------------------------------------------------ ranks
-    def any_rank(self, flag: bool) -> bool:
-        """Logical or of ``flag`` over ranks (every rank must call it)."""
-        return self._engine.any_rank(flag)
-
-    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks of a few control scalars (on the blocks' device)."""
-        return self._engine.mean_over_ranks(values)
-
-    def check_same_on_ranks(self, settings: Mapping[str, object], *, what: str) -> None:
-        """Raises the same ``ValueError`` on every rank unless ``settings`` agree on all.
-
-        Every rank must call it at the same point (nothing is sent with one rank); see
-        :func:`kaisa.distributed.agreement.check_same_on_ranks`.
-        """
-        check_same_on_ranks(settings, what=what, device=self._device)
-
-    def is_grad_worker(self, name: str) -> bool:
-        """Whether this rank keeps block ``name``'s decompositions."""
-        return self._engine.is_grad_worker(name)
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, *, gather: bool = False) -> dict[str, dict[str, Any]]:
-        """Per block: running factors, skip counts and decompositions.
-
-        Args:
-            gather: Also the decompositions this rank does not hold (MEM-OPT,
-                HYBRID-OPT), from their gradient workers, and under FSDP2 the running
-                factors, from their owners: a collective, every rank must call it
-                (:mod:`kaisa.distributed.gather`). Without it such blocks are saved
-                without them, and loading recomputes the decompositions.
-        """
-        state = {name: block.state_dict() for name, block in self._blocks.items()}
-        if gather:
-            for gathered in (
-                gather_decompositions(self._engine, self._blocks, self._method, self._inv_dtype),
-                gather_factors(self._engine, self._blocks),
-            ):
-                for name, entries in gathered.items():
-                    state[name].update(entries)
-        return state
-
-    def check_state_dict(self, state: object) -> None:
-        """Raises ``ValueError`` unless ``state`` holds a valid state of every block.
-
-        It must name exactly this core's blocks, each checked by
-        :meth:`~kaisa.blocks.CurvatureBlock.check_state_dict` (shapes, finiteness).
-        """
-        check_blocks_state(self._blocks, state)
-
-    def load_state_dict(
-        self, state: Mapping[str, Any], *, damping: float, compute_inverses: bool = True
-    ) -> None:
-        """Restores :meth:`state_dict` output (checked first: all or nothing).
-
-        Args:
-            state: The saved per-block state.
-            damping: The damping for blocks saved without decompositions.
-            compute_inverses: Recompute decompositions from the factors where they were
-                not saved (saved ones are restored as they were: bit-exact resume).
-
-        Raises:
-            ValueError: If the state is malformed (see :meth:`check_state_dict`).
-        """
-        self.check_state_dict(state)
-        for name, block in self._blocks.items():
-            block.load_state_dict(state[name])
-            if not self.is_grad_worker(name):
-                block.decomposition.clear()
-            if not self._engine.holds_factors(name):  # FSDP2: on their owners only
-                block.factors = RunningFactors(diagonal_sides=block.diagonal_sides)
-        need = any(
-            (b.factors.a is not None or not self._engine.holds_factors(name))
-            and not b.has_decomposition() and self.is_grad_worker(name)
-            for name, b in self._blocks.items()
-        )
-        need = self.any_rank(need)  # every rank takes part in the broadcasts
-        if compute_inverses and need:
-            self._engine.update_decompositions(damping)
-
-    # ------------------------------------------------------------------ sizes
-    def memory_estimates(self) -> dict[Fraction, MemoryEstimate]:
-        """Modelled per-rank memory for every valid ``grad_worker_fraction``."""
-        return self._engine.memory_estimates()
-
-    def factor_sizes(self) -> list[FactorSize]:
-        """Every factor's dimension, memory and decomposition cost, largest first."""
-        return self._engine.factor_sizes()
-
-    def memory_usage(self) -> dict[str, int]:
-        """Bytes of K-FAC state on this rank by kind, plus ``'total'``."""
-        return memory_usage(self._blocks)
-
-    @property
-    def skipped_factor_updates(self) -> int:
-        """Per-batch factors not folded in because they were non-finite (syncs once)."""
-        return skipped_factor_updates(self._blocks)
 
     def remove_hooks(self) -> None:
         """Detaches the core from the model's modules."""
@@ -704,9 +418,3 @@ def _keep_packed(blocks: Iterable[CurvatureBlock], config: KFACConfig) -> None:
 def _weight_dtype(blocks: Mapping[str, CurvatureBlock]) -> torch.dtype:
     """The weights' dtype (of the first block): the distributed config's default."""
     return next(iter(blocks.values())).weight.dtype
-
-
-def _own(block: CurvatureBlock, grads: Mapping[torch.Tensor, torch.Tensor] | None,
-         ) -> list[torch.Tensor | None] | None:
-    """The block's gradients from ``grads``, or ``None`` for its parameters' ``.grad``."""
-    return None if grads is None else [grads.get(p) for p in block.parameters()]
