@@ -97,6 +97,11 @@ class KFACMuon(torch.optim.Optimizer):
         basis_refresh: ``'eigen'``: ``'qr'``, ``'eigh'`` or ``'auto'`` (as EKFAC's).
         eigh_every: ``'eigen'`` with ``'qr'``: every how many refreshes a full ``eigh``.
         ns_dtype: Dtype of the Newton-Schulz iteration (Muon's bfloat16).
+        batch_matrices: Orthogonalise the matrices of one shape together (``bmm``: the same
+            operations as Muon's per matrix, whose bfloat16 products may round differently
+            in the order of their float32 sums); ``False``: one matrix at a time with
+            Muon's own calls (``curvature='identity'`` is then ``torch.optim.Muon``
+            bit for bit).
         factor_rows: Rows each call of a block keeps for its factors (a random subset,
             ``docs/conventions.md``, "Row-subsampled factor statistics"; ``None``: all).
         max_input_dim: ``'input'``: an input wider than this is split into equal diagonal
@@ -156,6 +161,7 @@ class KFACMuon(torch.optim.Optimizer):
         basis_refresh: BasisRefresh | str = BasisRefresh.AUTO,
         eigh_every: int = 10,
         ns_dtype: torch.dtype = torch.bfloat16,
+        batch_matrices: bool = True,
         factor_rows: int | None = None,
         max_input_dim: int | None = None,
         max_basis_dim: int | None = None,
@@ -196,6 +202,9 @@ class KFACMuon(torch.optim.Optimizer):
             collective_timeout=collective_timeout, loglevel=loglevel, distributed=distributed,
         )
         self.mode = config.curvature
+        if not isinstance(batch_matrices, bool):
+            raise ValueError(f"batch_matrices must be a bool, got {batch_matrices!r}")
+        self.batch_matrices = batch_matrices
         self._method = (EigenAdamMethod() if self.mode is MuonCurvature.EIGEN
                         else InputMuonMethod(config.ridge, config.max_input_dim))
         self.row_generator = torch.Generator().manual_seed(config.seed + rank())
@@ -359,7 +368,7 @@ class KFACMuon(torch.optim.Optimizer):
                                                 block.diagonal_sides),
             lambda g, grad: self._direction(g.stacked, grad, group(g.blocks[0].name),
                                             counts.get(g.blocks[0].name, 0.0)),
-            uniform=lambda g: len({key(b.name) for b in g.blocks}) == 1)
+            uniform=lambda g: self.batch_matrices and len({key(b.name) for b in g.blocks}) == 1)
         with phase("update"):
             scaled: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
             decay: dict[float, list[torch.Tensor]] = {}

@@ -457,3 +457,38 @@ def test_bf16_autocast_stays_finite(mode: str) -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(b.a is not None and torch.isfinite(b.a).all()
                for b in opt.curvature.blocks.values())
+
+
+def test_tied_embedding_and_head_take_adamw_on_the_byte_gpt() -> None:
+    """The byte GPT (tied embedding/head, positions, LayerNorms, MHA): identity mode with
+    ``batch_matrices=False`` is Muon on the blocks' matrices + AdamW on the rest, the tied
+    weight included, bit for bit (its matrices come in stacks of two 16 x 16 ones, where
+    a batched bfloat16 product may round differently from Muon's)."""
+    from kaisa.train.models.gpt import gpt
+
+    torch.manual_seed(0)
+    model = gpt(d_model=16, context=8, n_layers=2, n_heads=2)
+    ref = copy.deepcopy(model)
+    opt = kaisa.KFACMuon(model, lr=0.05, curvature="identity", adamw_lr=3e-3,
+                         batch_matrices=False)
+    kinds = opt.coverage()
+    assert model.head.weight is model.embedding.weight  # tied
+    assert kinds["embedding.weight"] == "first-order"
+    muon_names = {n for n, k in kinds.items() if k != "first-order"}
+    named = dict(ref.named_parameters())
+    assert muon_names == {n for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")}
+    muon = torch.optim.Muon([named[n] for n in named if n in muon_names], lr=0.05)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=3e-3)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        tokens = torch.randint(0, 256, (2, 9), generator=g)
+        for m in (model, ref):
+            out = m(tokens[:, :-1])
+            F.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        muon.step()
+        adamw.step()
+        for o in (opt, muon, adamw):
+            o.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q)
