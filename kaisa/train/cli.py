@@ -130,7 +130,7 @@ def _check(config: argparse.Namespace, data: Dataset) -> None:
             build_kfac(model, config).curvature.remove_hooks()
         else:
             optimizer = build_optimizer(model, config)
-            if config.optimizer == "ekfac":
+            if config.optimizer in OWN_CURVATURE:  # ekfac, kfac-muon
                 cast(Any, optimizer).curvature.remove_hooks()
             if config.kfac:
                 build_preconditioner(model, config, optimizer).remove_hooks()

@@ -92,6 +92,17 @@ TUNED: dict[tuple[str | None, str, bool], dict[str, Any]] = {
     (None, "adamw", True): {"lr": 1e-3},
 }
 
+# kaisa.KFACMuon, not tuned here: Muon's lr 0.05 on the LM task (torch.optim.Muon's lr on the
+# byte GPT in bench/convergence/gpt.py, docs/training.md), a generic 0.02 elsewhere; the
+# parameters Muon does not take get the AdamW lr of the same task.
+TUNED |= {
+    (task, "kfac-muon", False): {
+        "lr": 0.05 if task == "lm" else 0.02,
+        "kfac_muon_adamw_lr": TUNED[(task, "adamw", False)]["lr"],
+    }
+    for task in ("autoencode", "classify", "lm", None)
+}
+
 #: Fallbacks for options whose CLI default is ``None`` ("tuned").
 FALLBACK: dict[str, Any] = {
     "kfac_damping": 0.001,

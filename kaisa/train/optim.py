@@ -10,12 +10,15 @@ from typing import Any
 import torch
 from torch import nn
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "kfac", "ekfac")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "kfac", "ekfac", "kfac-muon")
 """``kfac`` is :class:`kaisa.KFAC` (adaptive lr, momentum and damping); ``ekfac`` is
-:class:`kaisa.EKFAC` (Adam in the K-FAC eigenbasis, AdamW's lr and schedule); ``sgd+kfac`` is
-SGD with :class:`kaisa.KFACPreconditioner`."""
+:class:`kaisa.EKFAC` (Adam in the K-FAC eigenbasis, AdamW's lr and schedule); ``kfac-muon``
+is :class:`kaisa.KFACMuon` (Muon on the weight matrices after K-FAC's curvature, AdamW on
+the rest); ``sgd+kfac`` is SGD with :class:`kaisa.KFACPreconditioner`."""
 #: The optimizers that are K-FAC themselves (no ``+kfac``; they own their curvature).
-OWN_CURVATURE: tuple[str, ...] = ("kfac", "ekfac")
+OWN_CURVATURE: tuple[str, ...] = ("kfac", "ekfac", "kfac-muon")
+#: ``--kfac-muon-curvature``: what precedes Muon's orthogonalisation in kaisa.KFACMuon.
+MUON_CURVATURES: tuple[str, ...] = ("input", "eigen", "identity")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 STRATEGIES: tuple[str, ...] = ("comm_opt", "mem_opt", "hybrid_opt")
 DTYPES: dict[str, torch.dtype | None] = {
@@ -101,11 +104,49 @@ def build_ekfac(model: nn.Module, options: argparse.Namespace) -> Any:
     )
 
 
+def build_kfac_muon(model: nn.Module, options: argparse.Namespace) -> Any:
+    """:class:`kaisa.KFACMuon` from ``--lr``, ``--weight-decay`` and the ``--kfac-*`` options.
+
+    ``--lr`` and ``--weight-decay`` are Muon's (the weight matrices of the K-FAC blocks);
+    the other parameters take AdamW at ``--kfac-muon-adamw-lr`` with ``--weight-decay``.
+    ``--kfac-muon-curvature`` picks the direction; ``--kfac-inv-update-steps`` is its
+    ``refresh_steps`` (``M`` or the bases). The damping, the compute method, the
+    decomposition spread, the factor storage and the memory budget do not apply.
+    Embeddings, and a head tied to one (the GPT of ``--task lm``), take AdamW.
+
+    Raises:
+        ValueError: For a ``--kfac-*`` option that does not apply given another value than
+            its default, or from :class:`kaisa.KFACMuon`.
+    """
+    import kaisa
+
+    curvature = _curvature_arguments(options)
+    for name, flag, default in (("decomposition_spread", "decomposition-spread", 1),
+                                ("factor_storage", "factor-storage", "dense"),
+                                ("memory_budget_mb", "memory-budget-mb", None)):
+        if curvature.pop(name) != default:
+            raise ValueError(f"--kfac-{flag} does not apply to --optimizer kfac-muon")
+    for name in ("damping", "compute_method", "inv_dtype"):
+        del curvature[name]
+    return kaisa.KFACMuon(
+        model, lr=options.lr, weight_decay=options.weight_decay,
+        curvature=options.kfac_muon_curvature,
+        adamw_lr=options.kfac_muon_adamw_lr, adamw_weight_decay=options.weight_decay,
+        refresh_steps=curvature.pop("inv_update_steps"),
+        inv_dtype=DTYPES[options.kfac_inv_dtype],
+        accumulation_steps=options.accumulation_steps,
+        seed=options.seed,
+        **curvature,
+    )
+
+
 def build_optimizer(model: nn.Module, options: argparse.Namespace) -> torch.optim.Optimizer:
-    """Create the SGD, AdamW or EKFAC optimiser described by ``options``."""
+    """Create the SGD, AdamW, EKFAC or KFACMuon optimiser described by ``options``."""
     params = model.parameters()
     if options.optimizer == "ekfac":
         return build_ekfac(model, options)  # type: ignore[no-any-return]
+    if options.optimizer == "kfac-muon":
+        return build_kfac_muon(model, options)  # type: ignore[no-any-return]
     if options.optimizer == "sgd":
         return torch.optim.SGD(
             params,

@@ -8,7 +8,13 @@ from typing import NoReturn
 from kaisa.train.argtypes import finite, int_from, kl_clip
 from kaisa.train.data import DATASETS
 from kaisa.train.models import MODELS, TEXT_MODELS
-from kaisa.train.optim import DTYPES, OPTIMIZERS, SCHEDULES, parse_worker_fraction
+from kaisa.train.optim import (
+    DTYPES,
+    MUON_CURVATURES,
+    OPTIMIZERS,
+    SCHEDULES,
+    parse_worker_fraction,
+)
 from kaisa.train.preemption import add_arguments as add_preemption_arguments
 from kaisa.train.text import add_arguments as add_lm_arguments
 
@@ -239,6 +245,31 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kfac_muon(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "K-FAC Muon (--optimizer kfac-muon: kaisa.KFACMuon)",
+        "Muon (--lr, --weight-decay) on the weight matrices of the K-FAC blocks, AdamW on\n"
+        "every other parameter (on --task lm also the tied embedding/head). Of the --kfac-*\n"
+        "flags, --kfac-factor-update-steps, --kfac-factor-decay and --kfac-inv-update-steps\n"
+        "(steps between refreshes of the input inverse or of the eigenbases) apply, and the\n"
+        "placement, dtype, layer and logging ones; the damping, compute method, KL clip,\n"
+        "eigenvalue outer product and factor updates in the hooks do not, and a\n"
+        "decomposition spread, packed factor storage or memory budget is refused.",
+    )
+    group.add_argument(
+        "--kfac-muon-curvature", choices=MUON_CURVATURES, default="input",
+        help="what Muon orthogonalises: input: the gradient times the inverse of the "
+        "layer's input second moment (Newton-Muon; no output-gradient hooks); eigen: "
+        "EKFAC's Adam step in the Kronecker eigenbasis; identity: the gradient "
+        "(torch.optim.Muon) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--kfac-muon-adamw-lr", type=finite(low=0.0), default=None, metavar="LR",
+        help="AdamW's learning rate for the parameters Muon does not take, scheduled as "
+        "--lr (default: tuned, the lr of --optimizer adamw)",
+    )
+
+
 class _Parser(argparse.ArgumentParser):
     """Errors are one line (no usage dump): ``kaisa-train: error: ... (see --help)``."""
 
@@ -353,9 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=OPTIMIZERS,
         default="sgd",
         help="optimiser; kfac is kaisa.KFAC: K-FAC with adaptive lr, momentum and damping; "
-        "ekfac is kaisa.EKFAC: Adam in the K-FAC eigenbasis (default: %(default)s)",
+        "ekfac is kaisa.EKFAC: Adam in the K-FAC eigenbasis; kfac-muon is kaisa.KFACMuon: "
+        "Muon on the weight matrices after K-FAC's curvature, AdamW on the rest "
+        "(default: %(default)s)",
     )
-    add("--lr", type=finite(low=0.0), default=None, help="base learning rate (default: tuned)")
+    add("--lr", type=finite(low=0.0), default=None,
+        help="base learning rate; kfac-muon: Muon's (default: tuned; kfac-muon 0.05 on "
+        "--task lm, else 0.02)")
     add("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
     add(
         "--nesterov",
@@ -367,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-decay",
         type=finite(low=0.0),
         default=0.0,
-        help="weight decay (default: %(default)s)",
+        help="weight decay (kfac-muon: Muon's and AdamW's) (default: %(default)s)",
     )
     add(
         "--schedule",
@@ -392,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     _add_kfac(parser)
+    _add_kfac_muon(parser)
     add_lm_arguments(parser, int_from(1))
     group = parser.add_argument_group("comparison and output")
     add = group.add_argument
@@ -425,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--task lm under torchrun: shard the GPT with FSDP2 (fully_shard per transformer "
         "block and the root) instead of DDP; checkpoints become DCP directories that resume "
-        "at any world size (not with --optimizer kfac)",
+        "at any world size (not with --optimizer kfac); not for --optimizer kfac-muon",
     )
     add(
         "--replicate",

@@ -87,6 +87,9 @@ def check_config(config: argparse.Namespace) -> str | None:
         return ("kaisa.KFAC on the model FSDP2 shards needs --kfac-jvp forward (the default): "
                 "'double_backward' differentiates the parameters, which FSDP2 replaces by "
                 "their all-gathered copies during the forward pass")
+    if config.fsdp and config.optimizer == "kfac-muon":
+        return ("kaisa.KFACMuon does not run under --fsdp (the app's sharded checkpoints do "
+                "not hold its state); run it without --fsdp (DDP under torchrun)")
     return None
 
 

@@ -96,8 +96,8 @@ class Trainer:
             if self.kfac_optimizer
             else build_optimizer(self.model, options)
         )
-        #: kaisa.KFAC or kaisa.EKFAC: the optimizer owns the curvature (no separate
-        #: preconditioner; its state dict gathers the decompositions).
+        #: kaisa.KFAC, kaisa.EKFAC or kaisa.KFACMuon: the optimizer owns the curvature (no
+        #: separate preconditioner; its state dict gathers the decompositions).
         self.owns_curvature = options.optimizer in OWN_CURVATURE
         self.sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
             TensorDataset(torch.arange(data.train_size)),
