@@ -21,8 +21,8 @@ Configurations (``@value`` overrides a learning rate where one is named):
   ``eigen``, ``identity``) on the recipe's Muon matrices (lr as ``muon``'s, weight decay
   0.1, refresh every 10 steps, factor decay 0.95, ``rK``: factors from ``K`` random rows of
   each call, ``fK``: factors every ``K`` steps with decay 0.95**K, ``dK``: ``input``'s
-  ``max_input_dim``, ``oK``: ``eigen``'s ``max_basis_dim``), AdamW as ``muon``'s for the
-  rest.
+  ``max_input_dim``, ``oK``: ``eigen``'s ``max_basis_dim``, ``gX``: ``input``'s ridge
+  ``X``), AdamW as ``muon``'s for the rest.
 * ``ekfac[-OPTION...]@lr``: ``kaisa.EKFAC`` (eigenbases by ``eigh`` every 10 steps), with
   AdamW's betas and eps and factors every step unless an option says otherwise: ``fK``
   factors every K steps with ``factor_decay`` 0.95**K (the running average's horizon kept
@@ -183,6 +183,7 @@ class Run:
             every = next((int(o[1:]) for o in options if re.fullmatch(r"f\d+", o)), 1)
             widest = next((int(o[1:]) for o in options if re.fullmatch(r"d\d+", o)), None)
             dense = next((int(o[1:]) for o in options if re.fullmatch(r"o\d+", o)), None)
+            ridge = next((float(o[1:]) for o in options if re.fullmatch(r"g[\d.]+", o)), 0.2)
             chosen = [p for n, p in params if recipe.muon_params(n, p)]
             ids = {id(p) for p in chosen}
             rest = [(n, p) for n, p in params if id(p) not in ids]
@@ -191,7 +192,7 @@ class Run:
                 param_groups=[{"params": chosen},
                               *decay_groups(rest, recipe.muon_adamw_lr, recipe.decayed)],
                 refresh_steps=10, factor_update_steps=every, factor_decay=0.95**every,
-                factor_rows=rows, max_input_dim=widest, max_basis_dim=dense,
+                factor_rows=rows, max_input_dim=widest, max_basis_dim=dense, ridge=ridge,
             )
             self.optimizers = [self.ekfac]
         elif name == "soap" or name.startswith("soap@"):
