@@ -202,6 +202,32 @@ def test_launches_smoke(tmp_path: Path) -> None:
     assert gpt["sgd"]["step"]["calls"] <= 10  # foreach: a few calls for every parameter
 
 
+def test_launches_kfac_muon_smoke(tmp_path: Path) -> None:
+    """KFACMuon's input mode: a steady step below Muon's calls, hooks in the forward only."""
+    module = load_bench("launches")
+    results = module.main(["--smoke", "--tasks", "gpt", "--products",
+                           "muon,kfac_muon_input,kfac_muon_eigen",
+                           "--out", str(tmp_path / "launches.json")])
+    gpt = results["gpt"]
+    assert gpt["kfac_muon_input"]["step"]["calls"] < gpt["muon"]["step"]["calls"]
+    hooks = gpt["kfac_muon_input"]["fwd_bwd_factor"]["calls"] - gpt["muon"]["fwd_bwd"]["calls"]
+    assert 0 < hooks <= 0.2 * gpt["muon"]["fwd_bwd"]["calls"], hooks
+    assert set(gpt["kfac_muon_eigen"]) == {"fwd_bwd_factor", "step", "step_decomposition"}
+
+
+def test_kfac_muon_step_smoke(tmp_path: Path) -> None:
+    """bench/step_cost/kfac_muon_step.py --tiny: every configuration timed, phases reported."""
+    module = load_bench("kfac_muon_step")
+    out = tmp_path / "step.json"
+    payload = module.main(["--tiny", "--steps", "2", "--warmup", "1", "--configs",
+                           "muon,input-r8-d8,eigen-r8-o8", "--out", str(out)])
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(payload["results"]))
+    rows = payload["results"]
+    assert set(rows) == {"muon", "input-r8-d8", "eigen-r8-o8"} and rows["muon"]["total_vs_first"] == 1
+    assert rows["muon"]["phases_ms_per_step"] == {}
+    assert rows["input-r8-d8"]["phases_ms_per_step"]["factors"] > 0
+
+
 @pytest.mark.distributed
 def test_factor_memory_smoke(tmp_path: Path) -> None:
     """bench/distributed/factor_memory.py --smoke: ResNet-20 on 1 and 2 gloo ranks, 2 under
