@@ -30,17 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.core.checkpoint import KFACState, gathered_generators, saved_generator
 from kaisa.core.config import KFACConfig
 from kaisa.core.curvature import KFACCurvature
+from kaisa.core.optimizer import CurvatureOptimizer, partition_groups
 from kaisa.core.schedule import warm_refresh
 from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac.config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
 from kaisa.methods import EigenAdamMethod
 from kaisa.utils.enums import AssignmentStrategy, DistributedStrategy, FactorStorage, KFACApprox
 from kaisa.utils.first_order import AdamStep, adamw_update, step_count
-from kaisa.utils.hyperparams import Schedule, Schedules, check_count
-from kaisa.utils.optim_state import check_known, check_optimizer_state
+from kaisa.utils.hyperparams import Schedule, Schedules
 from kaisa.utils.profiling import phase
 from kaisa.utils.ranks import rank
 from kaisa.utils.shards import rows_of
@@ -51,7 +50,7 @@ __all__ = ["EKFAC", "BasisRefresh"]
 _SCHEDULES = ("factor_update_steps", "basis_update_steps", "factor_decay")
 
 
-class EKFAC(torch.optim.Optimizer):
+class EKFAC(CurvatureOptimizer):
     """Adam in the eigenbasis of each block's K-FAC factors (see the module docstring).
 
     Args:
@@ -122,9 +121,6 @@ class EKFAC(torch.optim.Optimizer):
     Raises:
         ValueError: For invalid arguments (naming them).
     """
-
-    #: ``scaler.step(opt)`` calls :meth:`step` with ``grad_scale`` and ``found_inf`` set.
-    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -203,67 +199,17 @@ class EKFAC(torch.optim.Optimizer):
         self._arm()
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """One step, after the gradients of the step's backward passes.
-
-        Args:
-            closure: Optional; re-evaluates the model and returns the loss (called with
-                gradients enabled), as for ``torch.optim`` optimizers.
-
-        Returns:
-            The closure's loss, or ``None``.
-
-        Whatever raises in the step, the statistics the step recorded are dropped.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        try:
-            overflow = self._unscale()
-            steps, schedules = self.steps, self._schedules
-            if steps % schedules.integer("factor_update_steps", steps) == 0:
-                self.curvature.update_factors(schedules.real("factor_decay", steps),
-                                              zero_start=True)
-            if steps % schedules.integer("basis_update_steps", steps) == 0:
-                warm = warm_refresh(self.refreshes, self.config.basis_refresh,
-                                    self.config.eigh_every, cuda=self.curvature.on_cuda)
-                self.curvature.update_decompositions(0.0, warm_start=warm)
-                self.refreshes += 1
-            if not overflow:
-                self._update()
-        except BaseException:
-            self.curvature.discard()
-            raise
-        self.steps += 1
-        self.curvature.end_step()
-        self._arm()
-        return loss
-
-    def _unscale(self) -> bool:
-        """Under ``scaler.step(opt)``: unscales the gradients; whether they overflowed.
-
-        The scaler sets ``grad_scale`` (``None`` once ``scaler.unscale_(opt)`` ran) and
-        ``found_inf``; the gradients are multiplied by its float32 ``1 / scale`` as
-        ``scaler.unscale_`` does.
-        """
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
-            return False
-        scale = getattr(self, "grad_scale", None)
-        if scale is not None:
-            inverse = scale.double().reciprocal().float()
-            grouped: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        grouped.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-            for (device, _), grads in grouped.items():
-                found = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found,
-                                                                 inverse.to(device))
-        return self.curvature.any_rank(bool(found_inf.item()))
+    def _curvature_phases(self) -> None:
+        """Factors when due, then the bases when due (``basis_update_steps``)."""
+        steps, schedules = self.steps, self._schedules
+        if steps % schedules.integer("factor_update_steps", steps) == 0:
+            self.curvature.update_factors(schedules.real("factor_decay", steps),
+                                          zero_start=True)
+        if steps % schedules.integer("basis_update_steps", steps) == 0:
+            warm = warm_refresh(self.refreshes, self.config.basis_refresh,
+                                self.config.eigh_every, cuda=self.curvature.on_cuda)
+            self.curvature.update_decompositions(0.0, warm_start=warm)
+            self.refreshes += 1
 
     def _update(self) -> None:
         """The EKFAC step of every block with a gradient, AdamW's of the rest."""
@@ -337,96 +283,11 @@ class EKFAC(torch.optim.Optimizer):
                              self.state, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                              weight_decay=group["weight_decay"])
 
-    def _arm(self) -> None:  # whether the coming forward passes record statistics
+    def _arm(self) -> None:
+        """Whether the coming forward passes record statistics (and how they fold)."""
         s = self.steps
         self.curvature.arm(s % self._schedules.integer("factor_update_steps", s) == 0,
                            decay=self._schedules.real("factor_decay", s), zero_start=True)
-
-    # ------------------------------------------------------------------ views
-    def coverage(self) -> dict[str, str]:
-        """``{parameter name: block kind or 'first-order'}`` for every trainable parameter."""
-        return self.curvature.coverage()
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(  # type: ignore[override]
-        self, *, gather: bool = False, include_factors: bool = True
-    ) -> dict[str, Any]:
-        """The optimizer state of torch, and the curvature's under ``'kaisa'``.
-
-        torch's part holds AdamW's state per parameter (the step counts only, for a
-        block's); ``'kaisa'`` the step and refresh counters, the schedules' numbers, the
-        row generator's state (``'generator'``, this rank's; with ``gather``, also
-        ``'generators'``, every rank's by rank) and per block the factors, bases and
-        moments.
-
-        Args:
-            gather: Also the bases and moments this rank does not hold (MEM-OPT,
-                HYBRID-OPT), and under FSDP2 the running factors other ranks keep: a
-                collective, call it on every rank (``docs/conventions.md``, "Checkpoints").
-            include_factors: Include the per-block state (``'layers'``); without it
-                ``'kaisa'`` holds the counters and schedules only (:mod:`kaisa.checkpoint`
-                saves the blocks itself).
-        """
-        state = super().state_dict()
-        state["kaisa"] = {"steps": self.steps, "refreshes": self.refreshes,
-                          "generator": self.row_generator.get_state(),
-                          **self._schedules.state_dict()}
-        if gather:
-            state["kaisa"]["generators"] = gathered_generators(state["kaisa"]["generator"])
-        if include_factors:
-            state["kaisa"]["layers"] = self.curvature.state_dict(gather=gather)
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` output (bit-exact resume).
-
-        The row generator takes ``'generators'``' entry of this rank when the state has
-        one per rank (``state_dict(gather=True)``, e.g. rank 0's loaded on every rank),
-        else ``'generator'``; a state with neither (saved before row subsampling
-        existed) leaves it as it is.
-
-        Raises:
-            ValueError: If the state is malformed or belongs to another model; the
-                ``'kaisa'`` part is checked before anything is loaded.
-        """
-        extra = state_dict.get("kaisa") if isinstance(state_dict, dict) else None
-        if not isinstance(extra, dict):
-            raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.EKFAC state dict")
-        check_known("state_dict kaisa", extra, ("steps", "refreshes", "generator", "generators",
-                                                "layers", *self._schedules.names()))
-        counters = {name: extra.get(name) for name in ("steps", "refreshes")}
-        self.curvature.check_same_on_ranks(
-            {**counters, **{n: extra.get(n) for n in self._schedules.names()}},
-            what="loaded EKFAC state")
-        steps, refreshes = (check_count(name, value) for name, value in counters.items())
-        self._schedules.check_state_dict(extra)
-        generator = saved_generator(extra)
-        layers = extra.get("layers")
-        self.curvature.check_state_dict(layers)
-        check_optimizer_state(state_dict, self.param_groups)
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
-        self.steps, self.refreshes = steps, refreshes
-        if generator is not None:
-            self.row_generator.set_state(generator)
-        self._schedules.load_state_dict(extra)
-        assert layers is not None
-        self.curvature.load_state_dict(layers, damping=0.0)
-        self._arm()
-
-    def kfac_state_dict(self) -> KFACState:
-        """Counters and this rank's row generator, as :mod:`kaisa.checkpoint` takes them."""
-        counters = dict(self.state_dict(include_factors=False)["kaisa"])
-        return KFACState(counters=counters, generator=counters.pop("generator"),
-                         generator_per_rank=True)
-
-    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
-        """None: EKFAC steps every parameter itself."""
-        return {}
-
-    def load_kfac_state_dict(self, state: KFACState) -> None:
-        """Restores :meth:`kfac_state_dict` output, its ``layers`` and ``optimizers['self']``."""
-        self.load_state_dict({**state.optimizers.get("self", {}), "kaisa": {
-            **state.counters, "layers": dict(state.layers), "generator": state.generator}})
 
 
 def _groups(
@@ -435,13 +296,4 @@ def _groups(
     """The param groups: ``given`` (checked to partition ``params``), or one of all."""
     if given is None:
         return [{"params": list(params)}]
-    groups = [dict(g) for g in given]
-    if not all(isinstance(g.get("params"), Iterable) for g in groups) or not groups:
-        raise ValueError("param_groups must be a non-empty list of dicts with 'params'")
-    for g in groups:
-        g["params"] = list(g["params"])
-    listed = [id(p) for g in groups for p in g["params"]]
-    if sorted(listed) != sorted(id(p) for p in params):
-        raise ValueError("param_groups must hold every trainable parameter of the model "
-                         "exactly once")
-    return groups
+    return partition_groups(params, given)

@@ -34,7 +34,7 @@ _ALLOWED_KINDS = frozenset(MUON_KINDS)
 class MuonCurvature(enum.Enum):
     """What precedes Muon's orthogonalisation (``docs/conventions.md``, "KFACMuon")."""
 
-    #: ``P = g``: ``torch.optim.Muon`` itself (no hooks, no factors).
+    #: ``P = g``: ``torch.optim.Muon`` itself (nothing recorded, no factors).
     IDENTITY = "identity"
     #: Newton-Muon: ``P = g (A / k + ridge I)^-1``, one-sided (no output-gradient hooks).
     INPUT = "input"

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisa.core.checkpoint import KFACState, gathered_generators, saved_generator
 from kaisa.core.curvature import KFACCurvature
+from kaisa.core.optimizer import CurvatureOptimizer, partition_groups
 from kaisa.core.schedule import warm_refresh
 from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac.config import check_adam_group
@@ -53,8 +53,7 @@ from kaisa.utils.enums import (
     Side,
 )
 from kaisa.utils.first_order import AdamStep, adamw_update, step_count
-from kaisa.utils.hyperparams import Schedule, Schedules, check_count
-from kaisa.utils.optim_state import check_known, check_optimizer_state
+from kaisa.utils.hyperparams import Schedule, Schedules
 from kaisa.utils.profiling import phase
 from kaisa.utils.ranks import rank
 from kaisa.utils.shards import rows_of
@@ -65,7 +64,7 @@ _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "
               "ns_steps", "adjust_lr_fn")
 
 
-class KFACMuon(torch.optim.Optimizer):
+class KFACMuon(CurvatureOptimizer):
     """Muon with K-FAC's curvature (see the module docstring and ``docs/conventions.md``).
 
     Args:
@@ -131,8 +130,6 @@ class KFACMuon(torch.optim.Optimizer):
     Raises:
         ValueError: For invalid arguments (naming them).
     """
-
-    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -243,38 +240,16 @@ class KFACMuon(torch.optim.Optimizer):
         self._arm()
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """One step, after the gradients of the step's backward passes.
-
-        Args:
-            closure: Optional; re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or ``None``.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        try:
-            overflow = self._unscale()
-            steps, schedules = self.steps, self._schedules
-            if self.mode is not MuonCurvature.IDENTITY:
-                if steps % schedules.integer("factor_update_steps", steps) == 0:
-                    self.curvature.update_factors(schedules.real("factor_decay", steps),
-                                                  zero_start=True)
-                if steps % schedules.integer("refresh_steps", steps) == 0:
-                    self._refresh()
-            if not overflow:
-                self._update()
-        except BaseException:
-            self.curvature.discard()
-            raise
-        self.steps += 1
-        self.curvature.end_step()
-        self._arm()
-        return loss
+    def _curvature_phases(self) -> None:
+        """Factors when due, then ``M`` or the bases when due (``refresh_steps``)."""
+        steps, schedules = self.steps, self._schedules
+        if self.mode is MuonCurvature.IDENTITY:
+            return
+        if steps % schedules.integer("factor_update_steps", steps) == 0:
+            self.curvature.update_factors(schedules.real("factor_decay", steps),
+                                          zero_start=True)
+        if steps % schedules.integer("refresh_steps", steps) == 0:
+            self._refresh()
 
     def _refresh(self) -> None:
         """``M`` of each block this rank preconditions (``'input'``), or the bases."""
@@ -300,25 +275,6 @@ class KFACMuon(torch.optim.Optimizer):
                                                 strict=True):
                         block.decomposition["a_inv"] = part
         self.refreshes += 1
-
-    def _unscale(self) -> bool:
-        """Under ``scaler.step(opt)``: unscales the gradients; whether they overflowed."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
-            return False
-        scale = getattr(self, "grad_scale", None)
-        if scale is not None:
-            inverse = scale.double().reciprocal().float()
-            grouped: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        grouped.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-            for (device, _), grads in grouped.items():
-                found = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found,
-                                                                 inverse.to(device))
-        return self.curvature.any_rank(bool(found_inf.item()))
 
     def _direction(self, state: State, grad: torch.Tensor, group: dict[str, Any],
                    count: float, diagonal: frozenset[Side] = frozenset()) -> torch.Tensor:
@@ -405,7 +361,8 @@ class KFACMuon(torch.optim.Optimizer):
                                  self.state, lr=g["lr"], betas=g["betas"], eps=g["eps"],
                                  weight_decay=g["weight_decay"])
 
-    def _arm(self) -> None:  # whether the coming forward passes record statistics
+    def _arm(self) -> None:
+        """Whether the coming forward passes record statistics (and how they fold)."""
         s = self.steps
         if self.mode is MuonCurvature.IDENTITY:
             return
@@ -415,82 +372,6 @@ class KFACMuon(torch.optim.Optimizer):
                                zero_start=True)
         else:  # A in the forward hook, folded in step(): no backward hook
             self.curvature.recording = record
-
-    # ------------------------------------------------------------------ views
-    def coverage(self) -> dict[str, str]:
-        """``{parameter name: block kind or 'first-order'}`` (Muon or AdamW)."""
-        return self.curvature.coverage()
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(  # type: ignore[override]
-        self, *, gather: bool = False, include_factors: bool = True
-    ) -> dict[str, Any]:
-        """The optimizer state of torch (AdamW's, the eigen step counts) and ``'kaisa'``.
-
-        ``'kaisa'`` holds the step and refresh counters, the schedules, the row
-        generator's state (``'generator'``, this rank's; with ``gather`` also
-        ``'generators'``, every rank's) and per block the factors, ``M`` or the bases and
-        moments, and the momentum buffer.
-
-        Args:
-            gather: Also the block state this rank does not hold (MEM-OPT, HYBRID-OPT;
-                under FSDP2 the running factors other ranks keep): a collective.
-            include_factors: Include the per-block state (``'layers'``).
-        """
-        state = super().state_dict()
-        state["kaisa"] = {"steps": self.steps, "refreshes": self.refreshes,
-                          "generator": self.row_generator.get_state(),
-                          **self._schedules.state_dict()}
-        if gather:
-            state["kaisa"]["generators"] = gathered_generators(state["kaisa"]["generator"])
-        if include_factors:
-            state["kaisa"]["layers"] = self.curvature.state_dict(gather=gather)
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` output (bit-exact resume); checked before loading.
-
-        Raises:
-            ValueError: If the state is malformed or belongs to another model.
-        """
-        extra = state_dict.get("kaisa") if isinstance(state_dict, dict) else None
-        if not isinstance(extra, dict):
-            raise ValueError("state_dict has no 'kaisa' entry; not a kaisa.KFACMuon state dict")
-        check_known("state_dict kaisa", extra, ("steps", "refreshes", "generator", "generators",
-                                                "layers", *self._schedules.names()))
-        counters = {name: extra.get(name) for name in ("steps", "refreshes")}
-        self.curvature.check_same_on_ranks(
-            {**counters, **{n: extra.get(n) for n in self._schedules.names()}},
-            what="loaded KFACMuon state")
-        steps, refreshes = (check_count(name, value) for name, value in counters.items())
-        self._schedules.check_state_dict(extra)
-        generator = saved_generator(extra)
-        layers = extra.get("layers")
-        self.curvature.check_state_dict(layers)
-        check_optimizer_state(state_dict, self.param_groups)
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "kaisa"})
-        self.steps, self.refreshes = steps, refreshes
-        if generator is not None:
-            self.row_generator.set_state(generator)
-        self._schedules.load_state_dict(extra)
-        assert layers is not None
-        self.curvature.load_state_dict(layers, damping=0.0)
-        self._arm()
-
-    def kfac_state_dict(self) -> KFACState:
-        """Counters and this rank's row generator, as :mod:`kaisa.checkpoint` takes them."""
-        counters = dict(self.state_dict(include_factors=False)["kaisa"])
-        return KFACState(counters=counters, generator=counters.pop("generator"),
-                         generator_per_rank=True)
-
-    def kfac_optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
-        """None: KFACMuon steps every parameter itself."""
-        return {}
-
-    def load_kfac_state_dict(self, state: KFACState) -> None:
-        """Restores :meth:`kfac_state_dict` output, its ``layers`` and ``optimizers['self']``."""
-        self.load_state_dict({**state.optimizers.get("self", {}), "kaisa": {
-            **state.counters, "layers": dict(state.layers), "generator": state.generator}})
 
 
 def _groups(
@@ -504,15 +385,7 @@ def _groups(
             {"params": [p for p in params if id(p) not in muon]}]
         groups = [g for g in groups if g["params"]]
     else:
-        groups = [dict(g) for g in given]
-        if not groups or not all(isinstance(g.get("params"), Iterable) for g in groups):
-            raise ValueError("param_groups must be a non-empty list of dicts with 'params'")
-        for g in groups:
-            g["params"] = list(g["params"])
-        listed = [id(p) for g in groups for p in g["params"]]
-        if sorted(listed) != sorted(id(p) for p in params):
-            raise ValueError("param_groups must hold every trainable parameter of the model "
-                             "exactly once")
+        groups = partition_groups(params, given)
     for i, g in enumerate(groups):
         kinds = {id(p) in muon for p in g["params"]}
         if len(kinds) > 1:
