@@ -4,7 +4,8 @@
 (:mod:`kaisa.core.hooks`), the distributed engine and the method, and runs the phases
 (factors, decompositions, preconditioning) with damping and decay given as arguments
 (its parts: :mod:`kaisa.core.recording`, :mod:`kaisa.core.directions`,
-:mod:`kaisa.core.state`);
+:mod:`kaisa.core.state`); :class:`~kaisa.core.optimizer.CurvatureOptimizer` is the base of
+the products that step every parameter themselves (EKFAC, KFACMuon);
 :class:`~kaisa.core.config.KFACConfig` is its validated configuration,
 :mod:`kaisa.core.clipping` writes preconditioned directions back (KL clip, non-finite
 guard) and :mod:`kaisa.core.coverage` says which parameters the blocks cover.
