@@ -78,7 +78,8 @@ class KFACMuon(CurvatureOptimizer):
         eps: The Newton-Schulz norm's floor.
         ns_steps: Newton-Schulz iterations.
         adjust_lr_fn: ``None``/``'original'`` or ``'match_rms_adamw'`` (Muon's).
-        curvature: ``'input'``, ``'eigen'`` or ``'identity'``.
+        curvature: ``'eigen'`` (the default: the mode that reached Muon's loss first on
+            the wide byte GPT, ``docs/benchmarks.md``), ``'input'`` or ``'identity'``.
         param_groups: Parameter groups (dicts with ``'params'`` and any per-group value)
             that partition the model's trainable parameters, each holding block weights
             (Muon's keys) or other parameters (AdamW's keys, defaulting to the ``adamw_*``
@@ -143,7 +144,7 @@ class KFACMuon(CurvatureOptimizer):
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
         *,
-        curvature: MuonCurvature | str = MuonCurvature.INPUT,
+        curvature: MuonCurvature | str = MuonCurvature.EIGEN,
         param_groups: Iterable[dict[str, Any]] | None = None,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),

@@ -257,7 +257,7 @@ def _add_kfac_muon(parser: argparse.ArgumentParser) -> None:
         "decomposition spread, packed factor storage or memory budget is refused.",
     )
     group.add_argument(
-        "--kfac-muon-curvature", choices=MUON_CURVATURES, default="input",
+        "--kfac-muon-curvature", choices=MUON_CURVATURES, default="eigen",
         help="what Muon orthogonalises: input: the gradient times the inverse of the "
         "layer's input second moment (Newton-Muon; no output-gradient hooks); eigen: "
         "EKFAC's Adam step in the Kronecker eigenbasis; identity: the gradient "
