@@ -29,6 +29,8 @@ from tests.train.preempt_support import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+#: On ``PYTHONPATH`` with ``KAISA_TEST_MIN_STEP_SECONDS``: steps no faster than that.
+PACE = ROOT / "tests" / "support" / "paceshim"
 
 #: Every product and the first-order baselines, on the digits CNN: 12 micro-batches of 128
 #: per epoch, so a checkpoint every 5 steps falls inside epochs.
@@ -130,8 +132,13 @@ def test_checkpoint_every_time_writes_inside_epochs(tmp_path: Path) -> None:
 # --- stop signals ------------------------------------------------------------------------------
 
 
-def _spawn(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+def _spawn(tmp_path: Path, name: str, *extra: str,
+           min_step_seconds: float = 0.0) -> subprocess.Popen[str]:
+    """``kaisa-train`` in a subprocess, each optimizer step lasting ``min_step_seconds``
+    or more (so that a signal sent at a wall-clock moment lands inside the run)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACE), str(ROOT)]),
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path),
+           "KAISA_TEST_MIN_STEP_SECONDS": str(min_step_seconds)}
     return subprocess.Popen(
         [sys.executable, "-m", "kaisa.train", "--run-dir", str(tmp_path), "--name", name,
          *BASE, *extra],
@@ -152,12 +159,14 @@ def test_sigterm_at_five_random_steps_then_resume_equals_an_uninterrupted_run(
 ) -> None:
     """SIGTERM (or SIGUSR1) at a random moment of 5 epochs: each time exit 75 within the
     grace time, one line naming the checkpoint; the resumed chain equals one run."""
-    common = ["--kfac", "--epochs", "8", "--batch-size", "32"]  # 45 steps, ~0.5 s an epoch
+    common = ["--kfac", "--epochs", "8", "--batch-size", "32"]  # 45 steps an epoch
     assert _run(tmp_path, "whole", *common) == 0
     rng = random.Random(45)
     stops: list[int] = []
     for attempt, epoch in enumerate(sorted(rng.sample(range(1, 8), 5))):
-        run = _spawn(tmp_path, "split", *common, *(["--resume"] if attempt else []))
+        # 45 steps of 10 ms or more: an epoch outlasts the 0.3 s wait below on any machine
+        run = _spawn(tmp_path, "split", *common, *(["--resume"] if attempt else []),
+                     min_step_seconds=0.01)
         wait_until(lambda e=epoch: epochs_written(tmp_path / "split") > e, timeout=120,
                    what=f"epoch {epoch}", alive=lambda r=run: r.poll() is None)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the next epoch

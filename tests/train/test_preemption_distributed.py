@@ -46,6 +46,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "tests" / "support" / "killshim"
+PACE = ROOT / "tests" / "support" / "paceshim"
+#: Each step 25 ms (DDP, 115 steps) or 100 ms (--fsdp, 40) or more: the five launches, each
+#: signalled within 0.5 s of its first record, reach at most 100 and 25 steps on any machine.
+MIN_STEP_SECONDS = {"ddp": "0.025", "fsdp": "0.1"}
 
 #: DDP: the digits CNN with K-FAC, 23 steps of 32 per rank and epoch.
 DDP = ["--task", "classify", "--kfac", "--batch-size", "32", "--epochs", "5"]
@@ -137,7 +141,9 @@ def test_sigterm_at_five_random_moments_under_torchrun(
     stops: list[int] = []
     for attempt in range(5):
         launched = time.time_ns()
-        agent = _launch(tmp_path, mode, [*args, *(["--resume"] if attempt else [])])
+        agent = _launch(tmp_path, mode, [*args, *(["--resume"] if attempt else [])],
+                        PYTHONPATH=os.pathsep.join([str(PACE), str(ROOT)]),
+                        KAISA_TEST_MIN_STEP_SECONDS=MIN_STEP_SECONDS[mode])
         # training has begun (the stop signals are handled) once this launch wrote a record
         wait_until(lambda t=launched: _written_since(run / "metrics.jsonl", t), timeout=180,
                    what="the first record", alive=lambda a=agent: a.poll() is None)
