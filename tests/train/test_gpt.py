@@ -1,7 +1,11 @@
 """The byte-level GPT, the stdlib text corpus, ``kaisa-train --task lm`` and bench/convergence/gpt.py."""
 
+import gzip
+import hashlib
 import json
 import math
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,45 @@ def test_stdlib_corpus_is_deterministic_and_split_by_position() -> None:
     assert len(first) == 100_000 and torch.equal(first, text.load_corpus(max_bytes=100_000))
     train, valid = text.split(first)
     assert len(valid) == 10_000 and torch.equal(torch.cat([train, valid]), first)
+
+
+def test_the_corpus_is_the_shipped_bytes_whatever_python_runs() -> None:
+    """The same 2 MiB on every machine: the shipped file, checked by its SHA-256; its first
+    bytes are CPython's ``__future__.py`` (the first file in sorted order)."""
+    whole = text.load_corpus()
+    assert len(whole) == text.DEFAULT_BYTES == 2_097_152
+    data = bytes(whole.tolist())
+    assert hashlib.sha256(data).hexdigest() == text.CORPUS_SHA256
+    assert data.startswith(b'"""Record of phased-in incompatible language changes.')
+    assert (text.CORPUS.parent / "LICENSE").read_text().count("PYTHON SOFTWARE FOUNDATION") >= 1
+    if sys.version_info[:3] == (3, 11, 7):  # the interpreter it was cut from: the same cut
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        assert text.files_bytes(stdlib, text.DEFAULT_BYTES) == data
+
+
+def test_a_damaged_corpus_or_too_many_bytes_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match="holds 2097152 bytes; 2097153 asked for"):
+        text.load_corpus(max_bytes=text.DEFAULT_BYTES + 1)
+    damaged = tmp_path / "stdlib-text.gz"
+    damaged.write_bytes(gzip.compress(b"print('other bytes')\n"))
+    monkeypatch.setattr(text, "CORPUS", damaged)
+    text.shipped_corpus.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"is not the shipped corpus .*reinstall kaisa"):
+            text.load_corpus(max_bytes=10)
+        damaged.write_bytes(b"not gzip")
+        with pytest.raises(ValueError, match="cannot read the shipped corpus"):
+            text.load_corpus(max_bytes=10)
+    finally:
+        text.shipped_corpus.cache_clear()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--task", "lm", "--text-bytes", str(2**22), "--run-dir", str(tmp_path),
+              "--quiet", "--no-plot"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dataset stdlib-text: the corpus holds 2097152 bytes" in err[0]
 
 
 def test_training_windows_are_seeded_and_validation_windows_fixed() -> None:
