@@ -33,6 +33,7 @@ from kaisa.blocks.linear import LinearBlock
 from kaisa.blocks.preconditioned import Preconditioned
 from kaisa.blocks.scale_shift import ScaleShiftBlock
 from kaisa.blocks.tied import TiedEmbeddingBlock, tied_heads
+from kaisa.blocks.transposed import TransposedLinearBlock
 from kaisa.utils.enums import KFACApprox
 
 __all__ = [
@@ -50,12 +51,14 @@ __all__ = [
     "RunningFactors",
     "ScaleShiftBlock",
     "TiedEmbeddingBlock",
+    "TransposedLinearBlock",
     "register_blocks",
 ]
 
-#: Block kinds, tried in order with ``isinstance``.
+#: Block kinds, tried in order with :meth:`~kaisa.blocks.base.CurvatureBlock.matches`.
 BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (
-    LinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock, ScaleShiftBlock, AttentionBlock,
+    LinearBlock, TransposedLinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock,
+    ScaleShiftBlock, AttentionBlock,
 )
 
 
@@ -122,7 +125,7 @@ def register_blocks(
                                        row_generator=row_generator, max_dense_dim=max_dense_dim)
                 blocks.update(_tied(name, pair, names[id(pair[1])], skip, options))
             continue
-        kind = next((k for k in BLOCK_KINDS if isinstance(module, k.module_type)), None)
+        kind = next((k for k in BLOCK_KINDS if k.matches(module)), None)
         if kind is None or (kinds is not None and kind.kind not in kinds) or id(module) in claimed:
             continue
         cls_name = type(module).__name__

@@ -91,6 +91,9 @@ class CurvatureBlock:
     #: Whether a bias is part of the block (its column in the gradient matrix, the ones
     #: column of ``A``); :meth:`drop_bias_column` leaves the bias to a first-order rule.
     bias_column: bool = True
+    #: The weight is stored ``(in, out)``: the gradient matrix's weight columns are its
+    #: transpose (:mod:`kaisa.blocks.transposed`; the grouped step reads this).
+    transposed: ClassVar[bool] = False
     #: The rows of each parameter (as :meth:`parameters` lists them) the block covers;
     #: ``None``: every row of every parameter (the common case).
     rows: tuple[slice | None, ...] | None = None
@@ -129,6 +132,11 @@ class CurvatureBlock:
         if self.rows is not None:  # the bias's entry goes with it
             rows = self.rows[:1]
             self.rows = None if rows[0] is None else rows
+
+    @classmethod
+    def matches(cls, module: nn.Module) -> bool:
+        """Whether ``module`` is of this kind (by default: an instance of :attr:`module_type`)."""
+        return isinstance(module, cls.module_type)
 
     @classmethod
     def supports(cls, module: nn.Module) -> str | None:

@@ -19,7 +19,8 @@ have one layout form a *group* (:class:`BlockGroup`):
 
 The results equal the per-block path's, but for the order of floating-point sums (the KL
 clip's inner products). A block is grouped only where nothing else needs it alone: a plain
-gradient layout (every parameter has a ``.grad``, all its rows), dense factors, a method
+gradient layout (every parameter has a ``.grad``, all its rows; a weight stored
+transposed, ``(in, out)``, is stacked as its transpose's view), dense factors, a method
 that batches, and a rank that preconditions it and sends it to no one; the rest take the
 per-block path (:meth:`kaisa.core.curvature.KFACCurvature.precondition`).
 """
@@ -37,8 +38,8 @@ from kaisa.methods import SecondOrderMethod
 
 __all__ = ["BlockGroup", "GroupRule", "GroupedDirections", "eligible", "group_blocks", "run_groups"]
 
-#: What makes blocks stackable: the weight's shape, bias or not, the groups, the grads'
-#: dtype and device, and each stored entry's (key, shape, dtype).
+#: What makes blocks stackable: the weight's shape and layout (transposed or not), bias or
+#: not, the groups, the grads' dtype and device, and each stored entry's (key, shape, dtype).
 _Signature = tuple[object, ...]
 
 
@@ -116,17 +117,23 @@ class BlockGroup:
             grads: ``parameter -> gradient`` to stack; by default the parameters' ``.grad``.
         """
         first, k = self.blocks[0], len(self.blocks)
-        out, groups = first.weight.shape[0], first.groups
+        transposed = first.transposed
+        out, groups = first.weight.shape[1 if transposed else 0], first.groups
         weights = _grads((b.weight for b in self.blocks), grads)
         if not self.bias:
             w = torch.stack(weights) if k > 1 else weights[0]
+            if transposed:  # (in, out) weights: a view of the transpose
+                w = w.transpose(-2, -1)
             shape = (k * groups, out // groups, w.numel() // (k * out))
             return w if w.shape == shape else w.reshape(shape)
         biases = _grads((b.parameters()[1] for b in self.blocks), grads)
         if k == 1:  # reshape: a view where the layout allows (channels-last grads do not)
-            parts = [weights[0].reshape(1, out, -1), biases[0].reshape(1, out, 1)]
+            w = weights[0].t() if transposed else weights[0]
+            parts = [w.reshape(1, out, -1), biases[0].reshape(1, out, 1)]
         else:
-            parts = [torch.stack(weights).reshape(k, out, -1), torch.stack(biases).unsqueeze(2)]
+            w = torch.stack(weights)
+            w = w.transpose(1, 2) if transposed else w.reshape(k, out, -1)
+            parts = [w, torch.stack(biases).unsqueeze(2)]
         matrix = torch.cat(parts, dim=2)
         return matrix if groups == 1 else matrix.view(k * groups, out // groups, -1)
 
@@ -140,6 +147,14 @@ class BlockGroup:
         blocks, first = self.blocks, self.blocks[0]
         k, shape = len(blocks), first.weight.shape
         dst = [b.weight for b in blocks] if params else _grads(b.weight for b in blocks)
+        if first.transposed:  # (in, out) weights: views of the transposed matrices
+            matrix = direction.reshape(k, shape[1], -1)
+            weights = (matrix[:, :, :-1] if self.bias else matrix).transpose(1, 2)
+            if not self.bias:
+                return dst, list(weights.unbind())
+            biases = [b.parameters()[1] for b in blocks]
+            dst += biases if params else _grads(biases)
+            return dst, [*weights.unbind(), *matrix[:, :, -1].unbind()]
         if not self.bias:
             if k == 1:
                 src = [direction.view(shape)]
@@ -277,16 +292,17 @@ def _signature(block: CurvatureBlock, method: SecondOrderMethod) -> _Signature:
     state = block.decomposition
     entries = tuple((k, tuple(state[k].shape[1:]), state[k].dtype, state[k].device)
                     for k in _keys(block, method))
-    return (tuple(block.weight.shape), block.bias is not None, block.groups, grad.dtype,
-            grad.device, entries)
+    return (tuple(block.weight.shape), block.transposed, block.bias is not None, block.groups,
+            grad.dtype, grad.device, entries)
 
 
 def eligible(block: CurvatureBlock, method: SecondOrderMethod) -> bool:
     """Whether ``block`` can be grouped (the rank's part is checked by the caller)."""
+    kind = type(block)
+    plain = block.transposed or (kind.gradient_matrix is CurvatureBlock.gradient_matrix
+                                 and kind.split is CurvatureBlock.split)
     if (block.diagonal or block.diagonal_sides or block.rows is not None or block.sharded()
-            or type(block).gradient_matrix is not CurvatureBlock.gradient_matrix
-            or type(block).split is not CurvatureBlock.split
-            or type(block).write_grad is not CurvatureBlock.write_grad):
+            or not plain or kind.write_grad is not CurvatureBlock.write_grad):
         return False
     params = block.parameters()
     if any(p.grad is None or p.grad.is_sparse or p.grad.dtype != params[0].grad.dtype  # type: ignore[union-attr]

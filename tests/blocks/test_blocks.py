@@ -19,6 +19,7 @@ from kaisa.blocks import (
     LinearBlock,
     RunningFactors,
     ScaleShiftBlock,
+    TransposedLinearBlock,
     register_blocks,
 )
 
@@ -35,8 +36,8 @@ class _Net(nn.Module):
 
 
 def test_registry_picks_kinds_skips_frozen_unsupported_and_patterns() -> None:
-    assert list(BLOCK_KINDS) == [LinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock,
-                                 ScaleShiftBlock, AttentionBlock]
+    assert list(BLOCK_KINDS) == [LinearBlock, TransposedLinearBlock, Conv2dBlock, Conv1dBlock,
+                                 EmbeddingBlock, ScaleShiftBlock, AttentionBlock]
     with pytest.warns(RuntimeWarning, match=r"'circ'.*padding_mode='circular'"):
         layers = register_blocks(_Net())
     assert {n: type(la) for n, la in layers.items()} == {
