@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kaisa import checkpoint, ops
 from kaisa.blocks import KFACLayer
+from kaisa.blocks.declared import Like, declare_module
 from kaisa.core import KFACConfig
 from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac import EKFAC, BasisRefresh
@@ -35,8 +36,10 @@ __all__ = [
     "KFACMuon",
     "KFACPreconditioner",
     "LambdaParamScheduler",
+    "Like",
     "MuonCurvature",
     "checkpoint",
+    "declare_module",
     "ops",
 ]
 

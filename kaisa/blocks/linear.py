@@ -10,6 +10,7 @@ from torch import nn
 
 from kaisa.blocks import factors
 from kaisa.blocks.base import CurvatureBlock
+from kaisa.blocks.declared import Like, declared
 from kaisa.blocks.rows import RowSampling, flat_rows, sampling
 from kaisa.blocks.state import BlockOptions, RunningFactors
 from kaisa.utils.enums import KFACApprox, Side
@@ -34,6 +35,14 @@ class LinearBlock(RowSampling):
 
     module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Linear
     kind = "linear"
+
+    @classmethod
+    def matches(cls, module: nn.Module) -> bool:
+        """An ``nn.Linear``, or a class declared like one (a declaration decides)."""
+        declaration = declared(module)
+        if declaration is not None:
+            return cls is LinearBlock and declaration.like is Like.LINEAR
+        return super().matches(module)
 
     @classmethod
     def build(

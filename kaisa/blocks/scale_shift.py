@@ -1,5 +1,9 @@
 """Scale-and-shift blocks: ``nn.LayerNorm``, ``nn.RMSNorm`` and BatchNorm affine parameters.
 
+Hugging Face's weight-only RMS norms (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``T5LayerNorm``,
+...; :func:`~kaisa.blocks.declared.hf_rms_norm`) and classes declared like a norm
+(:func:`~kaisa.blocks.declared.declare_module`) are blocks of this kind too.
+
 A diagonal block: with ``xhat`` the normalised input
 and ``D`` the output gradient, both as rows ``(M, E)`` (``M`` every position that shares
 the parameters; for BatchNorm the channels are ``E``),
@@ -22,23 +26,50 @@ import torch
 from torch import nn
 
 from kaisa.blocks.base import CurvatureBlock
+from kaisa.blocks.declared import Like, declared, hf_rms_norm, norm_eps
 from kaisa.utils.enums import Side
 
 __all__ = ["ScaleShiftBlock"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: torch's own norms, whose epsilon is ``eps``.
+_TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, *_BATCH_NORMS)
 
 
 class ScaleShiftBlock(CurvatureBlock):
     """The diagonal curvature block of a normalisation layer's affine parameters."""
 
-    module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = (
-        nn.LayerNorm, nn.RMSNorm, *_BATCH_NORMS,
-    )
+    module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = _TORCH_NORMS
     kind = "scale_shift"
     diagonal = True
     #: The statistics in the G slot are diagonal (start from ones, averaged unpacked).
     diagonal_sides = frozenset({Side.G})
+
+    @classmethod
+    def matches(cls, module: nn.Module) -> bool:
+        """The norms of torch, Hugging Face's RMS norms and classes declared like a norm."""
+        if isinstance(module, cls.module_type) or hf_rms_norm(module):
+            return True
+        declaration = declared(module)
+        return declaration is not None and declaration.like in (Like.RMS_NORM, Like.LAYER_NORM)
+
+    @classmethod
+    def supports(cls, module: nn.Module) -> str | None:
+        """A declared norm needs its epsilon."""
+        declaration = declared(module)
+        if declaration is not None and norm_eps(module) is None:
+            return (f"declared like {declaration.like.value!r}, but it has no number in "
+                    f"attribute {declaration.eps!r} (its epsilon)")
+        return None
+
+    def setup(self) -> None:
+        """Which normalisation the module computes, and its epsilon."""
+        module = self.module
+        declaration = declared(module)
+        self._rms = isinstance(module, nn.RMSNorm) or hf_rms_norm(module) or (
+            declaration is not None and declaration.like is Like.RMS_NORM)
+        eps = getattr(module, "eps", None) if isinstance(module, _TORCH_NORMS) else norm_eps(module)
+        self._eps: float | None = None if eps is None else float(eps)
 
     @property
     def dims(self) -> tuple[int, int]:
@@ -57,10 +88,9 @@ class ScaleShiftBlock(CurvatureBlock):
             rows = x.movedim(1, -1).reshape(-1, x.shape[1])
             mean, var = rows.mean(0), rows.var(0, unbiased=False)
             return (rows - mean) * torch.rsqrt(var + module.eps)
-        assert isinstance(module, (nn.LayerNorm, nn.RMSNorm))
         rows = x.reshape(-1, self.weight.numel())
-        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-        if isinstance(module, nn.RMSNorm):
+        eps = self._eps if self._eps is not None else torch.finfo(x.dtype).eps
+        if self._rms:
             return rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
         mean, var = rows.mean(-1, keepdim=True), rows.var(-1, unbiased=False, keepdim=True)
         return (rows - mean) * torch.rsqrt(var + eps)

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from kaisa.blocks.declared import Like, declared
 from kaisa.blocks.linear import LinearBlock
 from kaisa.utils.shards import is_sharded
 
@@ -49,7 +50,10 @@ class TransposedLinearBlock(LinearBlock):
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:
-        """Whether ``module`` is a transposed linear layer (:func:`is_transposed_linear`)."""
+        """HF's ``Conv1D`` (:func:`is_transposed_linear`) or a class declared like it."""
+        declaration = declared(module)
+        if declaration is not None:
+            return declaration.like is Like.TRANSPOSED_LINEAR
         return is_transposed_linear(module)
 
     @classmethod
