@@ -126,6 +126,9 @@ class StatisticsRecorder:
         self._timings = timings
         #: Whether forward passes record statistics (a factor-update step).
         self.recording = False
+        #: What sets :attr:`recording` for the coming step, called at its first observed
+        #: forward pass (:meth:`resolve`); ``None`` once called.
+        self.pending: Callable[[], None] | None = None
         #: Backward passes per recorded forward that record G (Monte-Carlo samples); 0
         #: for backward passes that must not contribute G (the true loss's, when G comes
         #: from sampled targets).
@@ -218,8 +221,16 @@ class StatisticsRecorder:
         tensors are wrapped for the transform's levels, and statistics of a
         per-sample or functional evaluation are not the training step's.
         """
+        if self.pending is not None:
+            self.resolve()
         return (module.training and torch.is_grad_enabled() and self.recording
                 and (torch.compiler.is_compiling() or not _in_functorch_transform()))
+
+    def resolve(self) -> None:
+        """Calls :attr:`pending` (once): the coming step's recording switch is set."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
 
     def _forward_hook(
         self, layer: CurvatureBlock, site: int

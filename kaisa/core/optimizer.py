@@ -92,6 +92,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
+            self.curvature.resolve_arm()
             overflow = self.unscale_gradients()
             self._curvature_phases()
             if not overflow:

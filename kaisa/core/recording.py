@@ -10,7 +10,7 @@ recorded micro-batches are folded (:meth:`~RecordingControl.arm`, with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -20,7 +20,11 @@ from kaisa.core.folding import FactorFolding, Fold
 from kaisa.core.hooks import StatisticsRecorder
 from kaisa.distributed import DistributedEngine
 
-__all__ = ["RecordingControl"]
+__all__ = ["ArmPlan", "RecordingControl"]
+
+#: What a step records, evaluated when the step first needs it: whether its forward passes
+#: record, and the decay they fold with (``None`` where they do not record).
+ArmPlan = tuple[bool, float | None]
 
 
 class RecordingControl:
@@ -35,13 +39,43 @@ class RecordingControl:
     @property
     def recording(self) -> bool:
         """Whether forward passes record statistics (the product arms it per step)."""
+        self._recorder.resolve()
         return self._recorder.recording
 
     @recording.setter
     def recording(self, value: bool) -> None:
+        self._recorder.pending = None
         self._recorder.recording = bool(value)
 
-    def arm(self, recording: bool, *, decay: float, zero_start: bool = False) -> None:
+    def arm_when_used(self, plan: Callable[[], ArmPlan], *, fold: bool = True,
+                      zero_start: bool = False) -> None:
+        """Arms the coming step with ``plan``, called when the step first needs it.
+
+        That is the step's first observed forward pass, or :meth:`resolve_arm` (a
+        product's ``step()`` calls it first): a step's hyperparameters (callables of the
+        step) are evaluated at the step that uses them, never after the last one.
+
+        Args:
+            plan: ``(recording, decay)`` of the step.
+            fold: Arm the folds (:meth:`arm`); ``False``: set :attr:`recording` alone
+                (statistics kept for ``step()``).
+            zero_start: See :meth:`arm`.
+        """
+        def apply() -> None:
+            recording, decay = plan()
+            if fold:
+                self.arm(recording, decay=decay, zero_start=zero_start)
+            else:
+                self.recording = recording
+
+        self._recorder.recording = False
+        self._recorder.pending = apply
+
+    def resolve_arm(self) -> None:
+        """Evaluates the pending :meth:`arm_when_used` plan, if any."""
+        self._recorder.resolve()
+
+    def arm(self, recording: bool, *, decay: float | None, zero_start: bool = False) -> None:
         """Whether the coming forward passes record statistics, and how they are folded.
 
         The recorded micro-batches are folded into the running factors where they are
@@ -54,10 +88,12 @@ class RecordingControl:
 
         Args:
             recording: Whether to record (a factor-update step).
-            decay: The running-average decay of the step.
+            decay: The running-average decay of the step (read when it records).
             zero_start: Running factors that do not exist yet start from zero, not the
                 identity.
         """
+        if recording and decay is None:
+            raise ValueError("a recording step needs its factor decay")
         self.recording = recording
         self._folding.arm(self._blocks.values(), decay if recording else None,
                           zero_start=zero_start, foldable=self._foldable)

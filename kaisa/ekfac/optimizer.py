@@ -33,6 +33,7 @@ from torch import nn
 from kaisa.core.config import KFACConfig
 from kaisa.core.curvature import KFACCurvature
 from kaisa.core.optimizer import CurvatureOptimizer, partition_groups
+from kaisa.core.recording import ArmPlan
 from kaisa.core.schedule import warm_refresh
 from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac.config import KRONECKER_KINDS, BasisRefresh, EKFACConfig, check_adam_group
@@ -284,10 +285,13 @@ class EKFAC(CurvatureOptimizer):
                              weight_decay=group["weight_decay"])
 
     def _arm(self) -> None:
-        """Whether the coming forward passes record statistics (and how they fold)."""
-        s = self.steps
-        self.curvature.arm(s % self._schedules.integer("factor_update_steps", s) == 0,
-                           decay=self._schedules.real("factor_decay", s), zero_start=True)
+        """Whether the coming forward passes record (and how they fold), when first needed."""
+        def plan() -> ArmPlan:
+            s = self.steps
+            recording = s % self._schedules.integer("factor_update_steps", s) == 0
+            return recording, self._schedules.real("factor_decay", s) if recording else None
+
+        self.curvature.arm_when_used(plan, zero_start=True)
 
 
 def _groups(

@@ -29,6 +29,7 @@ from torch import nn
 from kaisa.core.checkpoint import KFACState
 from kaisa.core.clipping import grouped_parameter_directions, write_directions
 from kaisa.core.curvature import KFACCurvature
+from kaisa.core.recording import ArmPlan
 from kaisa.distributed.config import DistributedConfig
 from kaisa.kfac import quadratic
 from kaisa.kfac import state as optimizer_state
@@ -193,6 +194,7 @@ class KFAC(torch.optim.Optimizer):
         gradient is not finite (with a finite loss) changes no parameter and warns.
         """
         try:
+            self.curvature.resolve_arm()
             return self._step(closure)
         except BaseException:
             self.curvature.discard()  # the aborted forward leaks into no later step
@@ -356,12 +358,17 @@ class KFAC(torch.optim.Optimizer):
         self.curvature.end_step()
         self._arm()
 
-    def _arm(self) -> None:  # whether the coming forward passes record statistics
-        recording = self._due("factor_update_steps")
-        self.curvature.arm(recording, decay=self._schedules.real("factor_decay", self.steps))
-        # G's passes differentiate the hooked outputs only (kaisa.kfac.fisher.record_g)
-        self.curvature.recorder.keep_outputs = (
-            recording and self.config.curvature is not Curvature.EMPIRICAL)
+    def _arm(self) -> None:  # whether the coming forward passes record, when first needed
+        def plan() -> ArmPlan:
+            recording = self._due("factor_update_steps")
+            # G's passes differentiate the hooked outputs only (kaisa.kfac.fisher.record_g)
+            self.curvature.recorder.keep_outputs = (
+                recording and self.config.curvature is not Curvature.EMPIRICAL)
+            decay = self._schedules.real("factor_decay", self.steps) if recording else None
+            return recording, decay
+
+        self.curvature.recorder.keep_outputs = False
+        self.curvature.arm_when_used(plan)
 
     def _params(self) -> list[torch.Tensor]:
         """The trainable parameters (one frozen after construction is skipped)."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from kaisa.core.curvature import KFACCurvature
 from kaisa.core.optimizer import CurvatureOptimizer, partition_groups
+from kaisa.core.recording import ArmPlan
 from kaisa.core.schedule import warm_refresh
 from kaisa.distributed.config import DistributedConfig
 from kaisa.ekfac.config import check_adam_group
@@ -364,15 +365,17 @@ class KFACMuon(CurvatureOptimizer):
 
     def _arm(self) -> None:
         """Whether the coming forward passes record statistics (and how they fold)."""
-        s = self.steps
         if self.mode is MuonCurvature.IDENTITY:
             return
-        record = s % self._schedules.integer("factor_update_steps", s) == 0
-        if self.mode is MuonCurvature.EIGEN:
-            self.curvature.arm(record, decay=self._schedules.real("factor_decay", s),
-                               zero_start=True)
-        else:  # A in the forward hook, folded in step(): no backward hook
-            self.curvature.recording = record
+
+        def plan() -> ArmPlan:
+            s = self.steps
+            record = s % self._schedules.integer("factor_update_steps", s) == 0
+            return record, self._schedules.real("factor_decay", s) if record else None
+
+        # input mode: A in the forward hook, folded in step() (no backward hook)
+        self.curvature.arm_when_used(plan, fold=self.mode is MuonCurvature.EIGEN,
+                                     zero_start=True)
 
 
 def _groups(

@@ -22,6 +22,7 @@ from kaisa.core.checkpoint import KFACState
 from kaisa.core.clipping import write_directions
 from kaisa.core.config import HYPERPARAMETERS, REFERENCE_KINDS, KFACConfig
 from kaisa.core.curvature import KFACCurvature
+from kaisa.core.recording import ArmPlan
 from kaisa.distributed import Communicator, DistributedConfig, FactorSize, MemoryEstimate, Placement
 from kaisa.utils.enums import (
     AssignmentStrategy,
@@ -293,6 +294,7 @@ class KFACPreconditioner:
         before ``optimizer.step()``.
         """
         curvature, steps = self._curvature, self._steps
+        curvature.resolve_arm()
         if steps % self.factor_update_steps == 0:
             curvature.update_factors(self.factor_decay)
         curvature.scheduled_decompositions(steps, self.inv_update_steps, self.damping)
@@ -313,9 +315,16 @@ class KFACPreconditioner:
         self._curvature.discard()
 
     def _arm(self) -> None:
-        """Tells the core whether the coming forward passes record statistics."""
-        self._curvature.arm(self._steps % self.factor_update_steps == 0,
-                            decay=self.factor_decay)
+        """Tells the core whether the coming forward passes record statistics.
+
+        Evaluated when the step first needs it (its first forward pass, or :meth:`step`),
+        so a schedule is read at the steps that run (as kfac-pytorch reads it).
+        """
+        def plan() -> ArmPlan:
+            recording = self._steps % self.factor_update_steps == 0
+            return recording, self.factor_decay if recording else None
+
+        self._curvature.arm_when_used(plan)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, include_factors: bool = True, *, gather: bool = False) -> dict[str, Any]:
