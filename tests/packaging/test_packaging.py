@@ -92,6 +92,12 @@ _SHIMS = {
     "kaisa.scheduler": "kaisa.preconditioner.scheduler",
 }
 
+#: Modules moved out of a package, kept at their old path the same way: symmetric packing
+#: (``pack_symmetric``, ...) moved from ``kaisa.distributed`` to ``kaisa.utils``.
+_MOVED = {
+    "kaisa.distributed.packing": "kaisa.utils.packing",
+}
+
 
 def test_old_import_paths_re_export_the_same_objects() -> None:
     import importlib
@@ -101,9 +107,15 @@ def test_old_import_paths_re_export_the_same_objects() -> None:
 
     top = {p.stem for p in Path(kaisa.__file__).parent.glob("*.py")}
     assert top == {"__init__", "layers"} | {name.split(".")[1] for name in _SHIMS}
-    for shim_name, home_name in _SHIMS.items():
+    for shim_name, home_name in (_SHIMS | _MOVED).items():
         shim, home = importlib.import_module(shim_name), importlib.import_module(home_name)
         for name in home.__all__:
             assert getattr(shim, name) is getattr(home, name), (shim_name, name)
+    from kaisa.distributed.packing import pack_symmetric, packed_numel, unpack_symmetric
+    from kaisa.utils import packing
+
+    assert pack_symmetric is packing.pack_symmetric is kaisa.distributed.pack_symmetric
+    assert packed_numel is packing.packed_numel is kaisa.distributed.packed_numel
+    assert unpack_symmetric is packing.unpack_symmetric is kaisa.distributed.unpack_symmetric
     assert kaisa.layers.KFACLayer is kaisa.KFACLayer
     assert kaisa.checkpoint.save is importlib.import_module("kaisa.checkpoint.dcp").save

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -119,6 +120,31 @@ def test_resume_from_inside_an_epoch_is_bit_exact_for_every_product(tmp_path: Pa
         assert records(split) == records(done)
 
 
+@pytest.mark.timeout(300)
+def test_resume_from_inside_an_epoch_continues_the_augmentation_generator(
+    tmp_path: Path,
+) -> None:
+    """``--augment`` draws each epoch's crops and flips from one generator: resumed from its
+    mid-epoch checkpoints of step 5 (epoch 1) and of step 15 (epoch 2), the run continues
+    that generator where it stopped and equals the uninterrupted run bit for bit (restarting
+    it at the epoch's seed would augment the rest of the epoch differently)."""
+    common = ["--kfac", "--augment", "--epochs", "2"]
+    assert _run(tmp_path, "whole", *common, "--checkpoint-every", "5", "--keep", "10") == 0
+    done = tmp_path / "whole"
+    for steps in (5, 15):
+        kept = done / f"checkpoint.step{steps:09d}.pt"
+        state = torch.load(kept, weights_only=True)
+        assert state["settings"]["augment"] is True and state["steps"] == steps
+        assert state["position"] is not None and state["position"]["index"] > 0
+        split = tmp_path / f"split{steps}"
+        split.mkdir()
+        shutil.copy(kept, split / "checkpoint.pt")
+        assert _run(tmp_path, split.name, *common, "--resume") == 0
+        assert_same(learned_state(split / "checkpoint.pt"), learned_state(done / "checkpoint.pt"),
+                    f"@{steps}")
+        assert records(split) == records(done)
+
+
 def test_checkpoint_every_time_writes_inside_epochs(tmp_path: Path) -> None:
     """``--checkpoint-every 0.2s`` on epochs of ~0.5 s: checkpoints inside epochs too (each
     resumable mid-epoch), besides the epochs' own."""
@@ -158,9 +184,12 @@ def test_sigterm_at_five_random_steps_then_resume_equals_an_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
     """SIGTERM (or SIGUSR1) at a random moment of 5 epochs: each time exit 75 within the
-    grace time, one line naming the checkpoint; the resumed chain equals one run."""
+    grace time, one line naming the checkpoint and the step it stopped at, which that
+    checkpoint holds (mid-epoch unless the step ended an epoch); the resumed chain equals
+    one run."""
     common = ["--kfac", "--epochs", "8", "--batch-size", "32"]  # 45 steps an epoch
     assert _run(tmp_path, "whole", *common) == 0
+    per_epoch = records(tmp_path / "whole")[1]["step"]
     rng = random.Random(45)
     stops: list[int] = []
     for attempt, epoch in enumerate(sorted(rng.sample(range(1, 8), 5))):
@@ -177,7 +206,16 @@ def test_sigterm_at_five_random_steps_then_resume_equals_an_uninterrupted_run(
         assert time.monotonic() - sent < 25.0
         line = _one_line(err)
         assert "--resume" in line and str(tmp_path / "split" / "checkpoint.pt") in line, line
-        stops.append(torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)["steps"])
+        # the checkpoint is the one of the step the line names, not an older epoch's
+        stopped = re.search(r"\bat step (\d+) \(epoch (\d+)\)", line)
+        assert stopped is not None, line
+        step, in_epoch = int(stopped[1]), int(stopped[2])
+        state = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=True)
+        assert state["steps"] == step, (line, state["steps"])
+        inside = state["position"] is not None  # else at the end of the epoch it names
+        assert inside == (step % per_epoch != 0), (line, state["position"])
+        assert state["epoch"] == in_epoch - int(inside) and in_epoch == -(-step // per_epoch), line
+        stops.append(step)
         assert not list((tmp_path / "split").glob("*.partial"))
     assert stops == sorted(stops) and len(set(stops)) == 5, stops
     assert _run(tmp_path, "split", *common, "--resume") == 0
