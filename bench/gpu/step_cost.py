@@ -195,6 +195,12 @@ def gpt_configs(s: Setup) -> tuple[list[Config], dict[str, Any]]:
                         basis_update_steps=10)
     configs.append(Config("ekfac", "adamw", train_step(model, loss, data, ekfac, autocast=bf16),
                           {"F": 1, "I": 10}))
+    model = build()  # the warm refresh against the default eigh: what a default change needs
+    ekfac_qr = kaisa.EKFAC(model, lr=3e-3, weight_decay=0.1, factor_update_steps=1,
+                           basis_update_steps=10, basis_refresh="qr")
+    configs.append(Config("ekfac qr", "ekfac",
+                          train_step(model, loss, data, ekfac_qr, autocast=bf16),
+                          {"F": 1, "I": 10}))
     for mode in ("input", "eigen"):  # KFACMuon's curvatures against Muon, as muon's groups
         model = build()
         named = dict(model.named_parameters())

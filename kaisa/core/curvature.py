@@ -110,6 +110,8 @@ class KFACCurvature(RecordingControl, DirectionPhases, CurvatureState):
                              "are drawn in the hooks)")
         self._timings = dict.fromkeys(TIMING_KEYS, 0.0)
         self._warned_silent: set[str] = set()
+        #: Blocks whose hooks did not fire in the last step that recorded (first-order).
+        self._silent: set[str] = set()
         blocks = register_blocks(model, skip=config.skip_patterns, factor_dtype=config.factor_dtype,
                                  kfac_approx=config.kfac_approx, kinds=config.layer_kinds,
                                  cross_attention=config.cross_attention_patterns,
@@ -234,7 +236,8 @@ class KFACCurvature(RecordingControl, DirectionPhases, CurvatureState):
         self._blocks, self._engine = blocks, engine
         self._folding.apply(blocks.values(), self._foldable)
         self._recorder.retap(module, blocks)
-        self._coverage = parameter_coverage(self._model, blocks)
+        self._coverage = parameter_coverage(
+            self._model, {n: b for n, b in blocks.items() if n not in self._silent})
         logger.info("kaisa: %s was called with a query, key and value that are not one "
                     "tensor: registered in the cross-attention layout (%s)",
                     type(module).__name__, ", ".join(new))
@@ -254,7 +257,9 @@ class KFACCurvature(RecordingControl, DirectionPhases, CurvatureState):
         """``{parameter name: block kind or 'first-order'}`` for every trainable parameter.
 
         Names as ``model.named_parameters()`` gives them (a tied parameter once, under its
-        first name), at construction.
+        first name), at construction. A block whose hooks did not fire in a step that
+        recorded (its weight used without calling its module) is ``'first-order'`` until
+        they do: nothing preconditions it.
         """
         return dict(self._coverage)
 
@@ -386,19 +391,27 @@ class KFACCurvature(RecordingControl, DirectionPhases, CurvatureState):
         self._probes.clear()
 
     def _warn_silent_blocks(self) -> None:
-        for name, block in self._blocks.items():
-            if (block.factors.a is None and block.factors.g is None
-                    and name not in self._warned_silent
-                    and self._engine.holds_factors(name)):  # FSDP2: the others hold none
-                self._warned_silent.add(name)
-                msg = (
-                    f"kaisa: the hooks of registered layer {name!r} "
-                    f"({type(block.module).__name__}) did not fire (is its weight used "
-                    "functionally, without calling the module?); it is left "
-                    "unpreconditioned until they do"
-                )
-                warnings.warn(msg, RuntimeWarning, stacklevel=5)
-                logger.warning(msg)
+        """Warns of blocks whose hooks never fired; :meth:`coverage` says first-order.
+
+        Once their hooks fire (factors exist), the coverage gives their kind again.
+        """
+        silent = {name for name, block in self._blocks.items()
+                  if block.factors.a is None and block.factors.g is None
+                  and self._engine.holds_factors(name)}  # FSDP2: the others hold none
+        for name in sorted(silent - self._warned_silent, key=list(self._blocks).index):
+            msg = (
+                f"kaisa: the hooks of registered layer {name!r} "
+                f"({type(self._blocks[name].module).__name__}) did not fire (is its weight "
+                "used functionally, without calling the module?); it is left "
+                "unpreconditioned (first-order in coverage()) until they do"
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=5)
+            logger.warning(msg)
+        self._warned_silent |= silent
+        if silent != self._silent:
+            self._silent = silent
+            self._coverage = parameter_coverage(
+                self._model, {n: b for n, b in self._blocks.items() if n not in silent})
 
 
 def _drop_bias_columns(blocks: Iterable[CurvatureBlock], keep: bool) -> None:

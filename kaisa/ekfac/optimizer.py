@@ -68,10 +68,11 @@ class EKFAC(CurvatureOptimizer):
         factor_update_steps: Steps between factor updates (int or callable of the step).
         basis_update_steps: Steps between eigenbasis refreshes (int or callable).
         factor_decay: Running-average decay of the factors (float or callable).
-        basis_refresh: ``'qr'`` (a warm-started subspace-iteration step, a full ``eigh``
-            every ``eigh_every``-th refresh), ``'eigh'`` (always a full one) or ``'auto'``
-            (the default: ``'qr'`` on a CUDA device, where an ``eigh`` is far slower than
-            the GEMMs and QR of a warm start, ``'eigh'`` elsewhere).
+        basis_refresh: ``'eigh'`` (the default: always a full one), ``'qr'`` (a
+            warm-started subspace-iteration step, a full ``eigh`` every
+            ``eigh_every``-th refresh) or ``'auto'`` (``'qr'`` on a CUDA device, where an
+            ``eigh`` is far slower than the product and QR of a warm start, ``'eigh'``
+            elsewhere).
         eigh_every: See ``basis_refresh``.
         kfac_approx: Linear blocks on sequences: ``'expand'`` or ``'reduce'``.
         factor_storage: ``'dense'`` running factors, or ``'packed'``: their upper
@@ -135,7 +136,7 @@ class EKFAC(CurvatureOptimizer):
         factor_update_steps: Schedule[int] = 1,
         basis_update_steps: Schedule[int] = 10,
         factor_decay: Schedule[float] = 0.95,
-        basis_refresh: BasisRefresh | str = BasisRefresh.AUTO,
+        basis_refresh: BasisRefresh | str = BasisRefresh.EIGH,
         eigh_every: int = 10,
         kfac_approx: KFACApprox | str = KFACApprox.EXPAND,
         factor_storage: FactorStorage | str = FactorStorage.DENSE,

@@ -95,7 +95,8 @@ class KFACMuon(CurvatureOptimizer):
         ridge: ``'input'``: the ridge relative to ``A``'s mean eigenvalue.
         beta2: ``'eigen'``: the second moment's decay.
         adam_eps: ``'eigen'``: Adam's eps.
-        basis_refresh: ``'eigen'``: ``'qr'``, ``'eigh'`` or ``'auto'`` (as EKFAC's).
+        basis_refresh: ``'eigen'``: ``'eigh'`` (the default), ``'qr'`` or ``'auto'`` (as
+            EKFAC's).
         eigh_every: ``'eigen'`` with ``'qr'``: every how many refreshes a full ``eigh``.
         ns_dtype: Dtype of the Newton-Schulz iteration (Muon's bfloat16).
         batch_matrices: Orthogonalise the matrices of one shape together (``bmm``: the same
@@ -157,7 +158,7 @@ class KFACMuon(CurvatureOptimizer):
         ridge: float = 0.2,
         beta2: float = 0.95,
         adam_eps: float = 1e-8,
-        basis_refresh: BasisRefresh | str = BasisRefresh.AUTO,
+        basis_refresh: BasisRefresh | str = BasisRefresh.EIGH,
         eigh_every: int = 10,
         ns_dtype: torch.dtype = torch.bfloat16,
         batch_matrices: bool = True,

@@ -203,7 +203,7 @@ def _add_kfac(parser: argparse.ArgumentParser) -> None:
         "--kfac-basis-refresh", choices=("eigh", "qr", "auto"), default=None,
         help="eigenbases (ekfac, and the eigen method): a full eigh at every decomposition "
         "step, one warm-started QR step with eigh every --kfac-eigh-every-th, or auto: qr "
-        "on a CUDA device, eigh elsewhere (default: auto for ekfac, else eigh)",
+        "on a CUDA device, eigh elsewhere (default: eigh)",
     )
     group.add_argument(
         "--kfac-eigh-every", type=int, default=10, metavar="N",

@@ -125,3 +125,47 @@ def test_first_order_rule_is_configurable_and_resumes_bit_exactly() -> None:
 def test_fixed_lr_steps_every_parameter_with_sgd() -> None:
     opt = kaisa.KFAC(_Net(), loss="cross_entropy", curvature="empirical", lr=0.1, momentum=0.0)
     assert opt.first_order is None
+
+
+class _Functional(nn.Module):
+    """BEiT's attention input: the ``qkv`` Linear's weight used through ``F.linear`` with a
+    bias made of other parameters, so the Linear's own hooks never fire."""
+
+    def __init__(self, called: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12, bias=False)
+        self.q_bias = nn.Parameter(torch.zeros(4))
+        self.v_bias = nn.Parameter(torch.zeros(4))
+        self.out = nn.Linear(12, 2)
+        self.called = called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.called:
+            return self.out(self.qkv(x))
+        bias = torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias])
+        return self.out(nn.functional.linear(x, self.qkv.weight, bias))
+
+
+def test_a_block_whose_hooks_never_fire_is_reported_first_order() -> None:
+    """coverage() never reports a block that nothing preconditions: after the first step
+    that recorded, the functional use is first-order (with one warning); when the module
+    is called again, its kind comes back."""
+    torch.manual_seed(0)
+    model = _Functional(called=False)
+    pre = kaisa.KFACPreconditioner(model)
+    assert pre.coverage()["qkv.weight"] == "linear"  # before any step: not known yet
+    x = torch.randn(5, 4)
+
+    def step() -> None:
+        model.zero_grad()
+        model(x).square().sum().backward()
+        pre.step()
+
+    with pytest.warns(RuntimeWarning, match=r"'qkv' \(Linear\) did not fire .*\(first-order in coverage"):
+        step()
+    assert pre.coverage()["qkv.weight"] == "first-order"
+    assert pre.coverage()["out.weight"] == "linear"
+    assert "qkv.weight" in pre.curvature.coverage_summary(model).split("first-order:")[1]
+    model.called = True
+    step()
+    assert pre.coverage()["qkv.weight"] == "linear"

@@ -121,11 +121,11 @@ def test_ekfac_keeps_its_refresh_settings() -> None:
     opt = kaisa.EKFAC(_model(), basis_refresh="qr", eigh_every=4)
     assert opt.config.basis_refresh is BasisRefresh.QR and opt.config.eigh_every == 4
     assert opt.config.kfac.basis_refresh is BasisRefresh.QR
-    assert kaisa.EKFAC(_model()).config.basis_refresh is BasisRefresh.AUTO  # the default
+    assert kaisa.EKFAC(_model()).config.basis_refresh is BasisRefresh.EIGH  # the default
 
 
 def test_auto_is_eigh_on_the_cpu_bit_for_bit() -> None:
-    """'auto' (EKFAC's default; any method) decomposes in full off CUDA devices."""
+    """'auto' (any method) decomposes in full off CUDA devices."""
     def run(product: str, refresh: str) -> list[torch.Tensor]:
         model = _model()
         if product == "ekfac":
