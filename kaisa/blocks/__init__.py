@@ -29,6 +29,7 @@ from kaisa.blocks.base import (
 )
 from kaisa.blocks.conv2d import Conv1dBlock, Conv2dBlock
 from kaisa.blocks.embedding import EmbeddingBlock
+from kaisa.blocks.experts import ExpertBlock, RouterBlock
 from kaisa.blocks.linear import LinearBlock
 from kaisa.blocks.preconditioned import Preconditioned
 from kaisa.blocks.scale_shift import ScaleShiftBlock
@@ -45,9 +46,11 @@ __all__ = [
     "Conv2dBlock",
     "CurvatureBlock",
     "EmbeddingBlock",
+    "ExpertBlock",
     "KFACLayer",
     "LinearBlock",
     "Preconditioned",
+    "RouterBlock",
     "RunningFactors",
     "ScaleShiftBlock",
     "TiedEmbeddingBlock",
@@ -57,8 +60,8 @@ __all__ = [
 
 #: Block kinds, tried in order with :meth:`~kaisa.blocks.base.CurvatureBlock.matches`.
 BLOCK_KINDS: tuple[type[CurvatureBlock], ...] = (
-    LinearBlock, TransposedLinearBlock, Conv2dBlock, Conv1dBlock, EmbeddingBlock,
-    ScaleShiftBlock, AttentionBlock,
+    LinearBlock, TransposedLinearBlock, ExpertBlock, RouterBlock, Conv2dBlock, Conv1dBlock,
+    EmbeddingBlock, ScaleShiftBlock, AttentionBlock,
 )
 
 

@@ -12,7 +12,11 @@ from. A :class:`CallSite` is one of
   ``module``'s forward runs whose ``w`` is ``weight`` or a row slice of it (a view, as
   ``weight.split``/``chunk`` give) containing the site's ``rows``. The input is ``x``, the
   output is the product, cut to the block's rows (output features) when the call computes
-  more rows than the block covers (the k and v projections of one packed product).
+  more rows than the block covers (the k and v projections of one packed product). With
+  ``index`` set, ``w`` is ``weight[index]``: one expert's matrix of a 3-D parameter
+  holding every expert's (a mixture-of-experts layer); a grouped product
+  (``torch._grouped_mm(x, weight.mT, offs=...)``, rows sorted by expert) is one
+  observation per expert, of its rows.
 
 Functional calls are seen by :class:`FunctionalTap`: a forward pre-hook on the module
 pushes a ``TorchFunctionMode`` for the duration of the forward (a forward hook with
@@ -63,6 +67,8 @@ __all__ = ["CallSite", "Cut", "FunctionalTap", "hook_outputs"]
 K = TypeVar("K")
 
 _LINEAR = F.linear
+#: The grouped product of mixture-of-experts layers (``F.grouped_mm`` dispatches to it).
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,12 +81,14 @@ class CallSite:
             module's forward that multiply by it (or by a row slice of it).
         rows: The rows of ``weight`` (output features) the block covers; ``None``: all.
         mismatch: What to warn (once) when a call uses part of ``rows`` only.
+        index: The calls multiply by ``weight[index]`` (one expert of a 3-D ``weight``).
     """
 
     module: nn.Module
     weight: torch.Tensor | None = None
     rows: slice | None = None
     mismatch: str = ""
+    index: int | None = None
 
     def row_range(self) -> tuple[int, int]:
         """``(start, stop)`` of the rows of ``weight`` the block covers."""
@@ -96,13 +104,18 @@ class Cut(NamedTuple):
         batch: Inside an opened function: the call's batch size ``N``; the rows become
             ``(positions, N)``. ``None``: the tensors as the call sees them.
         cols: The block's output features of the product, ``None``: all of them.
+        rows: The rows of a grouped product that are the block's (one expert's tokens),
+            ``None``: all of them.
     """
 
     batch: int | None
     cols: slice | None
+    rows: slice | None = None
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """The observed input in the block's layout."""
+        if self.rows is not None:
+            x = x[self.rows]
         return x if self.batch is None else x.reshape(-1, self.batch, x.shape[-1])
 
     def grad(self, d: torch.Tensor) -> torch.Tensor:
@@ -233,6 +246,8 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _LINEAR:
             return _linear_call(self.tap, None, *args, **kwargs)
+        if func is _GROUPED_MM and func is not None:
+            return self.tap.grouped(func(*args, **kwargs), args, kwargs)
         opened = _opened(func)
         if opened is None:
             return func(*args, **kwargs)
@@ -346,11 +361,20 @@ class FunctionalTap(Generic[K]):
         out = _LINEAR(x, w, b)
         if not (isinstance(out, torch.Tensor) and out.requires_grad):
             return out
+        expert = self._expert(w)
+        if expert is not None:
+            param, index = expert
+            for key, site in self._sites[id(param)]:
+                if site.index == index:
+                    self._observe(key, x, (out,), Cut(batch, None))
+            return out
         found = self._rows(w)
         if found is None:
             return out
         param, start, stop = found
         for key, site in self._sites[id(param)]:
+            if site.index is not None:
+                continue
             r0, r1 = site.row_range()
             if start <= r0 and r1 <= stop:
                 cols = None if (r0, r1) == (start, stop) else slice(r0 - start, r1 - start)
@@ -376,6 +400,46 @@ class FunctionalTap(Generic[K]):
         if edges[-1] == r1 and all(a == edges[i] for i, (a, _, _) in enumerate(parts.calls)):
             del self._parts[id(site)]
             self._observe(key, parts.x, tuple(o for _, _, o in parts.calls), Cut(batch, None))
+
+    def grouped(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Observes a grouped product ``x (S, in) @ W^T`` (``out``), one expert at a time.
+
+        ``W`` is a watched ``(experts, out, in)`` parameter and the rows of ``x`` are
+        grouped by expert (``offs``: each group's end): one observation per expert with
+        rows, of those rows. Reads ``offs`` on the host (one read a call).
+        """
+        x, w = [*args, None, None][:2]
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        if not (isinstance(out, torch.Tensor) and out.requires_grad
+                and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+                and isinstance(offs, torch.Tensor) and x.dim() == 2 and w.dim() == 3):
+            return out
+        base = w._base
+        param = None if base is None else self._params.get(id(base))
+        if param is None or param.dim() != 3 or w.shape != param.mT.shape or (
+                w.stride() != param.mT.stride()
+                or w.storage_offset() != param.storage_offset()):
+            return out  # not the transposed view of a watched (experts, out, in) parameter
+        sites = {site.index: key for key, site in self._sites[id(param)]
+                 if site.index is not None}
+        start = 0
+        for index, end in enumerate(offs.tolist()):
+            if end > start and index in sites:
+                self._observe(sites[index], x, (out,), Cut(None, None, slice(start, end)))
+            start = end
+        return out
+
+    def _expert(self, w: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """``(parameter, index)`` when ``w`` is ``parameter[index]`` of a watched 3-D one."""
+        base = w._base
+        param = None if base is None else self._params.get(id(base))
+        if (param is None or param.dim() != 3 or w.shape != param.shape[1:]
+                or w.stride() != param.stride()[1:]):
+            return None
+        offset, step = w.storage_offset() - param.storage_offset(), param.stride(0)
+        if step <= 0 or offset % step:
+            return None
+        return param, offset // step
 
     def _rows(self, w: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
         """``(parameter, start, stop)`` when ``w`` is a watched parameter or its rows."""

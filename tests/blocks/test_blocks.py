@@ -16,7 +16,9 @@ from kaisa.blocks import (
     Conv1dBlock,
     Conv2dBlock,
     EmbeddingBlock,
+    ExpertBlock,
     LinearBlock,
+    RouterBlock,
     RunningFactors,
     ScaleShiftBlock,
     TransposedLinearBlock,
@@ -36,8 +38,9 @@ class _Net(nn.Module):
 
 
 def test_registry_picks_kinds_skips_frozen_unsupported_and_patterns() -> None:
-    assert list(BLOCK_KINDS) == [LinearBlock, TransposedLinearBlock, Conv2dBlock, Conv1dBlock,
-                                 EmbeddingBlock, ScaleShiftBlock, AttentionBlock]
+    assert list(BLOCK_KINDS) == [LinearBlock, TransposedLinearBlock, ExpertBlock, RouterBlock,
+                                 Conv2dBlock, Conv1dBlock, EmbeddingBlock, ScaleShiftBlock,
+                                 AttentionBlock]
     with pytest.warns(RuntimeWarning, match=r"'circ'.*padding_mode='circular'"):
         layers = register_blocks(_Net())
     assert {n: type(la) for n, la in layers.items()} == {
