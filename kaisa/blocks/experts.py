@@ -73,8 +73,11 @@ class ExpertBlock(LinearBlock):
 
     @classmethod
     def supports(cls, module: nn.Module) -> str | None:
-        """One process only, unsharded: with several ranks each expert sees another number
-        of tokens on each, and the rank average of its factors is not defined yet."""
+        """Why the experts are not blocks here: FSDP2, or several processes.
+
+        With several ranks each expert sees another number of tokens on each, and the
+        rank average of its factors is not defined yet.
+        """
         if any(is_sharded(p) for _, p in expert_parameters(module)):
             return "FSDP2 shards its expert parameters; they are first-order under FSDP2"
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

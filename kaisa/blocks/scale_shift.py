@@ -32,6 +32,8 @@ from kaisa.utils.enums import Side
 __all__ = ["ScaleShiftBlock"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: Class names of LayerNorms over dimension 1 of NCHW inputs (timm's).
+CHANNELS_FIRST_NORMS = frozenset({"LayerNorm2d", "LayerNorm3d"})
 #: torch's own norms, whose epsilon is ``eps``.
 _TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, *_BATCH_NORMS)
 
@@ -70,6 +72,12 @@ class ScaleShiftBlock(CurvatureBlock):
             declaration is not None and declaration.like is Like.RMS_NORM)
         eps = getattr(module, "eps", None) if isinstance(module, _TORCH_NORMS) else norm_eps(module)
         self._eps: float | None = None if eps is None else float(eps)
+        #: The norm's features are dimension 1 of its input (a LayerNorm that permutes
+        #: NCHW inside its forward: HF's ``data_format="channels_first"``, timm's
+        #: ``LayerNorm2d``), as for BatchNorm.
+        self._channels_first = isinstance(module, _BATCH_NORMS) or (
+            getattr(module, "data_format", None) == "channels_first"
+            or type(module).__name__ in CHANNELS_FIRST_NORMS)
 
     @property
     def dims(self) -> tuple[int, int]:
@@ -88,18 +96,21 @@ class ScaleShiftBlock(CurvatureBlock):
             rows = x.movedim(1, -1).reshape(-1, x.shape[1])
             mean, var = rows.mean(0), rows.var(0, unbiased=False)
             return (rows - mean) * torch.rsqrt(var + module.eps)
-        rows = x.reshape(-1, self.weight.numel())
+        rows = self._rows(x)
         eps = self._eps if self._eps is not None else torch.finfo(x.dtype).eps
         if self._rms:
             return rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
         mean, var = rows.mean(-1, keepdim=True), rows.var(-1, unbiased=False, keepdim=True)
         return (rows - mean) * torch.rsqrt(var + eps)
 
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (an input or output gradient) as rows ``(M, E)`` of the norm's features."""
+        if self._channels_first:
+            t = t.movedim(1, -1)
+        return t.reshape(-1, self.weight.numel())
+
     def _grad_rows(self, d: torch.Tensor) -> torch.Tensor:
-        d = d.to(self.dtype_for(d))
-        if isinstance(self.module, _BATCH_NORMS):
-            return d.movedim(1, -1).reshape(-1, d.shape[1])
-        return d.reshape(-1, self.weight.numel())
+        return self._rows(d.to(self.dtype_for(d)))
 
     def record_input(self, x: torch.Tensor, *, in_hook: bool, site: int = 0) -> None:
         """Nothing: the output-gradient hook gets its call's input."""
