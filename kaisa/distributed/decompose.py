@@ -22,10 +22,16 @@ from kaisa.methods import Damping, Payload, SecondOrderMethod
 from kaisa.utils.enums import Side
 from kaisa.utils.packing import pack_symmetric, unpack_symmetric
 
-__all__ = ["FactorKey", "as_received", "decompose_assigned", "payload"]
+__all__ = ["FactorKey", "as_received", "decompose_assigned", "has_factors", "payload"]
 
 #: One factor: (block name, side).
 FactorKey: TypeAlias = tuple[str, Side]
+
+
+def has_factors(layer: CurvatureBlock, method: SecondOrderMethod) -> bool:
+    """Whether ``layer`` holds the running factors of every side ``method`` decomposes."""
+    return all((layer.factors.a if side is Side.A else layer.factors.g) is not None
+               for side in method.sides)
 
 
 def decompose_assigned(
@@ -41,7 +47,7 @@ def decompose_assigned(
     """Decomposes the factors ``placement`` assigns to ``rank``, in one batch.
 
     Args:
-        layers: The blocks with both running factors.
+        layers: The blocks with the running factors of the method's sides.
         damping: The current damping.
         placement: The placement.
         rank: This rank.
@@ -55,10 +61,16 @@ def decompose_assigned(
     mine: list[tuple[CurvatureBlock, Side, Damping, torch.Tensor]] = []
     for la in layers:
         lp = placement[la.name]
-        if rank not in (lp.a_rank, lp.g_rank) or la.factors.a is None or la.factors.g is None:
+        if rank not in (lp.a_rank, lp.g_rank) or not has_factors(la, method):
             continue
-        a, g = la.a, la.g  # read once: packed factors are unpacked on each read
-        assert a is not None and g is not None
+        a = la.a  # read once: packed factors are unpacked on each read
+        assert a is not None
+        if Side.G not in method.sides:  # one-sided: A alone, with the damping as given
+            if lp.a_rank == rank:
+                mine.append((la, Side.A, damping, a))
+            continue
+        g = la.g
+        assert g is not None
         damping_a, damping_g = method.factor_damping(a, g, damping, diagonal=la.diagonal_sides)
         if lp.a_rank == rank:
             mine.append((la, Side.A, damping_a, a))

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from kaisa.blocks import CurvatureBlock, Preconditioned
 from kaisa.distributed.averaging import FactorAverages, FactorPair
 from kaisa.distributed.config import EngineConfig
-from kaisa.distributed.decompose import FactorKey, decompose_assigned, payload
+from kaisa.distributed.decompose import FactorKey, decompose_assigned, has_factors, payload
 from kaisa.distributed.fsdp import ShardedBlocks
 from kaisa.distributed.memory import (
     FactorSize,
@@ -304,8 +304,7 @@ class DistributedEngine:
         if self._owned_factors:  # only the owners know whether a block has factors
             layers = [la for la in self._layers.values() if not la.diagonal]
         else:
-            layers = [la for la in self._layers.values()
-                      if la.factors.a is not None and la.factors.g is not None]
+            layers = [la for la in self._layers.values() if has_factors(la, self._method)]
         if blocks is not None:
             layers = [la for la in layers if la.name in blocks]
         if not layers:
@@ -321,6 +320,8 @@ class DistributedEngine:
             if self._rank not in lp.grad_workers:
                 continue
             for side, src in ((Side.A, lp.a_rank), (Side.G, lp.g_rank)):
+                if side not in self._method.sides:
+                    continue
                 tensors = payload(la, side, src=src, rank=self._rank, method=self._method,
                                   inv_dtype=self._config.inv_dtype, computed=computed)
                 flags = self._method.payload_symmetric(diagonal=la.is_diagonal(side))
@@ -343,7 +344,8 @@ class DistributedEngine:
         for la in layers:
             if (la.name, Side.A) in received:
                 self._method.install(
-                    la.decomposition, received[(la.name, Side.A)], received[(la.name, Side.G)],
+                    la.decomposition, received[(la.name, Side.A)],
+                    received.get((la.name, Side.G)),
                     damping=damping, diagonal=la.diagonal_sides,
                 )
 

@@ -84,6 +84,9 @@ class SecondOrderMethod(abc.ABC):
     #: every stored entry as independent blocks, so blocks of one shape can be stacked and
     #: preconditioned in one call (:mod:`kaisa.core.grouped`).
     batched: bool = False
+    #: The factors the method decomposes and the engine sends: both, or ``A`` alone (a
+    #: one-sided method, whose blocks record no ``G``).
+    sides: tuple[Side, ...] = (Side.A, Side.G)
 
     def decompose(
         self,

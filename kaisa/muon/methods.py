@@ -67,6 +67,7 @@ class InputMuonMethod(SecondOrderMethod):
     state_keys = ("a_inv", "momentum_buffer")
     symmetric = (True,)
     batched = True
+    sides = (Side.A,)
 
     def __init__(self, ridge: float, max_input_dim: int | None = None) -> None:
         self.ridge = ridge

@@ -102,8 +102,8 @@ class KFACMuon(CurvatureOptimizer):
         batch_matrices: Orthogonalise the matrices of one shape together (``bmm``: the same
             operations as Muon's per matrix, whose bfloat16 products may round differently
             in the order of their float32 sums); ``False``: one matrix at a time with
-            Muon's own calls (``curvature='identity'`` is then ``torch.optim.Muon``
-            bit for bit).
+            Muon's own calls. ``None`` (the default): ``True``, but ``False`` with
+            ``curvature='identity'``, which is then ``torch.optim.Muon`` bit for bit.
         factor_rows: Rows each call of a block keeps for its factors (a random subset,
             ``docs/conventions.md``, "Row-subsampled factor statistics"; ``None``: all).
         max_input_dim: ``'input'``: an input wider than this is split into equal diagonal
@@ -161,7 +161,7 @@ class KFACMuon(CurvatureOptimizer):
         basis_refresh: BasisRefresh | str = BasisRefresh.EIGH,
         eigh_every: int = 10,
         ns_dtype: torch.dtype = torch.bfloat16,
-        batch_matrices: bool = True,
+        batch_matrices: bool | None = None,
         factor_rows: int | None = None,
         max_input_dim: int | None = None,
         max_basis_dim: int | None = None,
@@ -202,9 +202,10 @@ class KFACMuon(CurvatureOptimizer):
             collective_timeout=collective_timeout, loglevel=loglevel, distributed=distributed,
         )
         self.mode = config.curvature
-        if not isinstance(batch_matrices, bool):
-            raise ValueError(f"batch_matrices must be a bool, got {batch_matrices!r}")
-        self.batch_matrices = batch_matrices
+        if batch_matrices is not None and not isinstance(batch_matrices, bool):
+            raise ValueError(f"batch_matrices must be a bool or None, got {batch_matrices!r}")
+        self.batch_matrices = (self.mode is not MuonCurvature.IDENTITY
+                               if batch_matrices is None else batch_matrices)
         self._method = (EigenAdamMethod() if self.mode is MuonCurvature.EIGEN
                         else InputMuonMethod(config.ridge, config.max_input_dim))
         self.row_generator = torch.Generator().manual_seed(config.seed + rank())
@@ -213,11 +214,6 @@ class KFACMuon(CurvatureOptimizer):
                                        factor_rows=config.factor_rows,
                                        row_generator=self.row_generator, bias_columns=False,
                                        max_dense_dim=config.max_basis_dim)
-        if self.mode is MuonCurvature.INPUT and any(
-                b.sharded() for b in self.curvature.blocks.values()):
-            raise ValueError("curvature='input' does not support FSDP2-sharded parameters yet "
-                             "(the running A factors live on one rank there); use "
-                             "curvature='eigen', or DDP")
         # One-sided: Newton-Muon needs the inputs' A alone; identity records nothing.
         self.curvature.recorder.output_gradients = self.mode is MuonCurvature.EIGEN
         muon = {id(b.weight) for b in self.curvature.blocks.values()}
@@ -260,6 +256,8 @@ class KFACMuon(CurvatureOptimizer):
             warm = warm_refresh(self.refreshes, self.config.kfac.basis_refresh,
                                 self.config.kfac.eigh_every, cuda=self.curvature.on_cuda)
             self.curvature.update_decompositions(0.0, warm_start=warm)
+        elif self.curvature.engine.owned_factors:  # FSDP2: A on its owner, M sent from it
+            self.curvature.update_decompositions(0.0)
         else:
             with self.curvature.timed("decompositions"):
                 by_size: dict[tuple[int, torch.dtype], list[tuple[Any, torch.Tensor]]] = {}

@@ -122,7 +122,7 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
                           basis_refresh="qr", grad_worker_fraction=cfg["strategy"])
         curvature = opt.curvature
     elif cfg.get("product") == "kfac_muon":  # the full matrix orthogonalised, rows kept
-        opt = kaisa.KFACMuon(model, lr=0.05, curvature="eigen", adam_eps=1e-6,
+        opt = kaisa.KFACMuon(model, lr=0.05, curvature=cfg.get("mode", "eigen"), adam_eps=1e-6,
                              refresh_steps=2, basis_refresh="qr", ns_dtype=torch.float64,
                              grad_worker_fraction=cfg["strategy"])
         curvature = opt.curvature
@@ -174,8 +174,9 @@ def _train(cfg: dict[str, Any], world: int, rank: int | None,
         "steps": steps,
         "held_rows": held_ok,
         "fraction": float(engine.grid.fraction),
-        "factors": sorted(n for n, b in blocks.items()
-                          if b.g is not None and (b.diagonal or b.a is not None)),
+        "factors": sorted(n for n, b in blocks.items()  # the input mode records A alone
+                          if (b.g is not None or cfg.get("mode") == "input")
+                          and (b.diagonal or b.a is not None)),
         # Running factors live where the placement decomposes them (every rank: unplaced).
         "owners": sorted(n for n in blocks if n not in placed
                          or engine.rank in (placed[n].a_rank, placed[n].g_rank)),
@@ -281,16 +282,17 @@ CONFIGS_2 = [{"strategy": "comm_opt", "method": "eigen"},
              {"strategy": "mem_opt", "method": "inverse"},
              {"strategy": "mem_opt", "product": "ekfac", "batch": 40},
              {"strategy": "mem_opt", "method": "eigen", "model": "gpt"},
-             {"strategy": "comm_opt", "product": "kfac_muon", "batch": 40}]
+             {"strategy": "comm_opt", "product": "kfac_muon", "batch": 40},
+             {"strategy": "mem_opt", "product": "kfac_muon", "mode": "input", "batch": 40}]
 
 
 def test_fsdp2_two_ranks_equal_one_process() -> None:
-    """Every strategy on 2 ranks, both methods, EKFAC, KFACMuon's eigen mode, the byte GPT with every block kind
+    """Every strategy on 2 ranks, both methods, EKFAC, KFACMuon's eigen and input modes, the byte GPT with every block kind
     (attention's row blocks, the tied embedding, LayerNorms); the unsupported cases' errors
     (``kaisa.KFAC`` itself: ``tests/kfac/test_fsdp_kfac.py``)."""
     results = _check(CONFIGS_2, 2)
     fractions = [r["fraction"] for r in results[0][:-1]]
-    assert fractions == [1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.0]
+    assert fractions == [1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.0, 0.5]
     # MEM-OPT: each block's decompositions on exactly one rank.
     held = [set(r[2]["held"]) for r in results]
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {"conv", "fc1", "fc2"}

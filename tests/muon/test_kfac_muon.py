@@ -460,17 +460,19 @@ def test_bf16_autocast_stays_finite(mode: str) -> None:
 
 
 def test_tied_embedding_and_head_take_adamw_on_the_byte_gpt() -> None:
-    """The byte GPT (tied embedding/head, positions, LayerNorms, MHA): identity mode with
-    ``batch_matrices=False`` is Muon on the blocks' matrices + AdamW on the rest, the tied
-    weight included, bit for bit (its matrices come in stacks of two 16 x 16 ones, where
-    a batched bfloat16 product may round differently from Muon's)."""
+    """The byte GPT (tied embedding/head, positions, LayerNorms, MHA): identity mode, by
+    default one matrix at a time (``batch_matrices=False``), is Muon on the blocks'
+    matrices + AdamW on the rest, the tied weight included, bit for bit (its matrices
+    come in stacks of two 16 x 16 ones, where a batched bfloat16 product may round
+    differently from Muon's)."""
     from kaisa.train.models.gpt import gpt
 
     torch.manual_seed(0)
     model = gpt(d_model=16, context=8, n_layers=2, n_heads=2)
     ref = copy.deepcopy(model)
-    opt = kaisa.KFACMuon(model, lr=0.05, curvature="identity", adamw_lr=3e-3,
-                         batch_matrices=False)
+    opt = kaisa.KFACMuon(model, lr=0.05, curvature="identity", adamw_lr=3e-3)
+    assert opt.batch_matrices is False  # identity's default
+    assert kaisa.KFACMuon(copy.deepcopy(model), curvature="input").batch_matrices is True
     kinds = opt.coverage()
     assert model.head.weight is model.embedding.weight  # tied
     assert kinds["embedding.weight"] == "first-order"
