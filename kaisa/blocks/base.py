@@ -91,6 +91,9 @@ class CurvatureBlock:
     #: Whether a bias is part of the block (its column in the gradient matrix, the ones
     #: column of ``A``); :meth:`drop_bias_column` leaves the bias to a first-order rule.
     bias_column: bool = True
+    #: What to suggest when the block's hooks never fired in a step that recorded.
+    silent_hint: ClassVar[str] = (
+        "is its weight used functionally, without calling the module?")
     #: The weight is stored ``(in, out)``: the gradient matrix's weight columns are its
     #: transpose (:mod:`kaisa.blocks.transposed`; the grouped step reads this).
     transposed: ClassVar[bool] = False

@@ -49,6 +49,9 @@ class ExpertBlock(LinearBlock):
     """Expert ``index``'s matrix ``weight[index]`` ``(out, in)`` of a 3-D parameter."""
 
     module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = nn.Module
+    silent_hint: ClassVar[str] = (
+        "no token was routed to this expert yet, or the experts' forward copies their "
+        "weights instead of using them as they are")
 
     def __init__(
         self,

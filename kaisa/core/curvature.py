@@ -399,11 +399,11 @@ class KFACCurvature(RecordingControl, DirectionPhases, CurvatureState):
                   if block.factors.a is None and block.factors.g is None
                   and self._engine.holds_factors(name)}  # FSDP2: the others hold none
         for name in sorted(silent - self._warned_silent, key=list(self._blocks).index):
+            block = self._blocks[name]
             msg = (
                 f"kaisa: the hooks of registered layer {name!r} "
-                f"({type(self._blocks[name].module).__name__}) did not fire (is its weight "
-                "used functionally, without calling the module?); it is left "
-                "unpreconditioned (first-order in coverage()) until they do"
+                f"({type(block.module).__name__}) did not fire ({block.silent_hint}); it is "
+                "left unpreconditioned (first-order in coverage()) until they do"
             )
             warnings.warn(msg, RuntimeWarning, stacklevel=5)
             logger.warning(msg)
