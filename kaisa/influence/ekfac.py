@@ -1,0 +1,339 @@
+"""EK-FAC influence scores on kaisa's blocks (``docs/conventions.md``, "Influence").
+
+:class:`EKFACInfluence` fits, over a training set read in order, each block's covariances
+``A`` and ``S`` (the factor pass, with the Fisher's labels), their eigenbases, and the
+corrected eigenvalues ``Λ`` from per-example gradients (a second pass with fresh labels),
+then computes pairwise scores (queries x training examples) and self-influence scores.
+The blocks are kaisa's (:func:`kaisa.blocks.register_blocks`): ``nn.Linear``, Hugging
+Face's transposed ``Conv1D`` and ``nn.Conv2d`` (one group) here; a block observed through
+functional calls (attention, experts) or of another kind is not scored yet and is
+reported ``"first-order"`` by :meth:`EKFACInfluence.coverage`. One process.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa.blocks import Conv2dBlock, CurvatureBlock, LinearBlock, register_blocks
+from kaisa.blocks.conv2d import Conv1dBlock
+from kaisa.core.coverage import FIRST_ORDER
+
+__all__ = ["EKFACInfluence", "Fisher"]
+
+#: A batch: ``(inputs, targets)``; the model is called on ``inputs``.
+Batch = tuple[torch.Tensor, torch.Tensor]
+#: ``(outputs, targets) -> summed scalar`` (a query's measurement).
+Measurement = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: The heuristic damping's scale of ``mean(Λ)`` (Kronfluence's).
+HEURISTIC_DAMPING = 0.1
+
+
+class Fisher(str, enum.Enum):
+    """Whose labels the factors are fitted with."""
+
+    #: Labels drawn from the model's predictive distribution (the true Fisher).
+    TRUE = "true"
+    #: The batches' own targets (the empirical Fisher).
+    EMPIRICAL = "empirical"
+
+
+def summed_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy over every position (no ``1/B``)."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1),
+                           reduction="sum")
+
+
+@dataclass
+class _Factors:
+    """One block's sums and counts, then its bases and ``Λ``."""
+
+    a_sum: torch.Tensor | None = None
+    s_sum: torch.Tensor | None = None
+    rows: int = 0
+    lam_sum: torch.Tensor | None = None
+    examples: int = 0
+    qa: torch.Tensor | None = None
+    qs: torch.Tensor | None = None
+
+    def lam(self) -> torch.Tensor:
+        assert self.lam_sum is not None and self.examples > 0
+        return self.lam_sum / self.examples
+
+
+def _scored(block: CurvatureBlock) -> bool:
+    """Blocks observed at their module's own calls, of a kind with rows here."""
+    if any(site.weight is not None or site.module is not block.module
+           for site in block.call_sites()):
+        return False  # functional call sites (attention, experts), or several modules
+    if isinstance(block, Conv2dBlock):
+        return not isinstance(block, Conv1dBlock) and block.groups == 1
+    return isinstance(block, LinearBlock) and (
+        type(block).gradient_matrix is CurvatureBlock.gradient_matrix or block.transposed)
+
+
+def _rows(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, g)`` as ``(N, rows, in [+1])`` and ``(N, rows, out)``: an example's rows."""
+    n = x.shape[0]
+    if isinstance(block, Conv2dBlock):
+        conv = block.module
+        assert isinstance(conv, nn.Conv2d)
+        a = F.unfold(x.to(dtype), conv.kernel_size, dilation=conv.dilation,
+                     padding=conv.padding, stride=conv.stride).transpose(1, 2)  # type: ignore[arg-type]
+        g = d.to(dtype).reshape(n, d.shape[1], -1).transpose(1, 2)
+    else:
+        a = x.to(dtype).reshape(n, -1, x.shape[-1])
+        g = d.to(dtype).reshape(n, -1, d.shape[-1])
+    if block.has_bias:
+        a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+    return a, g
+
+
+class EKFACInfluence:
+    """EK-FAC influence: fit once on the training set, then score queries.
+
+    Args:
+        model: The trained model (its mode is restored after each pass; the passes run it
+            in evaluation mode).
+        fisher: ``'true'`` (labels drawn from the model, with ``seed``) or
+            ``'empirical'`` (the batches' targets).
+        damping: Added to ``Λ`` at score time: a number, or ``None`` for
+            ``0.1 mean(Λ)`` per block.
+        seed: Seed of the generator the true Fisher's labels are drawn with.
+        dtype: Dtype of the statistics and scores (eigendecompositions run in float64).
+        layer_kinds: Block kinds to track (``"linear"``, ``"conv2d"``).
+        loss: ``(outputs, targets) -> summed loss`` of a batch; the summed cross-entropy
+            by default (the true Fisher draws classification labels for it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        fisher: Fisher | str = Fisher.TRUE,
+        damping: float | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        layer_kinds: tuple[str, ...] = ("linear", "conv2d"),
+        loss: Measurement = summed_cross_entropy,
+    ) -> None:
+        self.model = model
+        self.fisher = Fisher(fisher)
+        if damping is not None and not damping >= 0:
+            raise ValueError(f"damping must be >= 0 or None, got {damping!r}")
+        self.damping = damping
+        self.dtype = dtype
+        self.loss = loss
+        self.generator = torch.Generator().manual_seed(seed)
+        blocks = register_blocks(model, kinds=layer_kinds)
+        self.blocks = {name: b for name, b in blocks.items() if _scored(b)}
+        if not self.blocks:
+            raise ValueError("model has no layer influence can track (nn.Linear, nn.Conv2d)")
+        self._factors = {name: _Factors() for name in self.blocks}
+        covered = {id(p): b.kind for b in self.blocks.values() for p in b.parameters()}
+        self._coverage = {n: covered.get(id(p), FIRST_ORDER)
+                          for n, p in model.named_parameters() if p.requires_grad}
+
+    # ------------------------------------------------------------------ fitting
+    def coverage(self) -> dict[str, str]:
+        """``{parameter name: block kind or 'first-order'}``: which gradients are scored."""
+        return dict(self._coverage)
+
+    @property
+    def fitted(self) -> bool:
+        """Whether :meth:`fit` ran (or a fit was loaded)."""
+        return all(f.qa is not None and f.lam_sum is not None for f in self._factors.values())
+
+    def fit(self, batches: Callable[[], Iterable[Batch]]) -> None:
+        """The covariances, eigenbases and ``Λ`` over the training set.
+
+        Args:
+            batches: Called twice (the factor pass, then the ``Λ`` pass), each time
+                yielding the training set's ``(inputs, targets)`` batches in order.
+        """
+        self._factors = {name: _Factors() for name in self.blocks}
+        for inputs, targets in batches():
+            for name, (a, g) in self._observe(inputs, self._labels(inputs, targets)).items():
+                f = self._factors[name]
+                a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+                f.a_sum = a2.T @ a2 if f.a_sum is None else f.a_sum.addmm_(a2.T, a2)
+                f.s_sum = g2.T @ g2 if f.s_sum is None else f.s_sum.addmm_(g2.T, g2)
+                f.rows += a2.shape[0]
+        for name, f in self._factors.items():
+            if f.a_sum is None or f.s_sum is None:
+                raise ValueError(f"layer {name!r} saw no data in the factor pass")
+            f.qa = _basis(f.a_sum / f.rows).to(self.dtype)
+            f.qs = _basis(f.s_sum / f.rows).to(self.dtype)
+        for inputs, targets in batches():
+            grads = self._gradients(inputs, self._labels(inputs, targets))
+            for name, g in grads.items():
+                f = self._factors[name]
+                assert f.qa is not None and f.qs is not None
+                square = (f.qs.T @ g @ f.qa).square().sum(0)
+                f.lam_sum = square if f.lam_sum is None else f.lam_sum.add_(square)
+                f.examples += g.shape[0]
+
+    def _labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's Fisher labels: its targets, or drawn from the model's outputs."""
+        if self.fisher is Fisher.EMPIRICAL:
+            return targets
+        with torch.no_grad(), self._evaluating():
+            logits = self.model(inputs)
+        probs = F.softmax(logits.reshape(-1, logits.shape[-1]).double(), dim=-1)
+        drawn = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        return drawn.reshape(targets.shape)
+
+    # ------------------------------------------------------------------ scores
+    def pairwise_scores(self, queries: Iterable[Batch], train: Iterable[Batch], *,
+                        measurement: Measurement | None = None) -> torch.Tensor:
+        """``(n_query, n_train)`` scores, summed over blocks.
+
+        Each query's preconditioned gradient against each training example's gradient
+        (of its loss with its true label).
+
+        Args:
+            queries: The queries' ``(inputs, targets)`` batches.
+            train: The training examples' batches, in order.
+            measurement: ``(outputs, targets) -> summed scalar`` of the queries; their
+                summed loss by default.
+        """
+        per_block = self._preconditioned_queries(queries, measurement or self.loss)
+        columns = []
+        for inputs, targets in train:
+            grads = self._gradients(inputs, targets)
+            columns.append(sum(torch.einsum("qoi,toi->qt", per_block[name], g)
+                               for name, g in grads.items()))
+        return torch.cat(columns, dim=1)  # type: ignore[arg-type]
+
+    def self_scores(self, train: Iterable[Batch]) -> torch.Tensor:
+        """``(n_train,)``: each training example's preconditioned gradient against itself."""
+        out = []
+        for inputs, targets in train:
+            grads = self._gradients(inputs, targets)
+            out.append(sum((self._precondition(name, g) * g).sum((1, 2))
+                           for name, g in grads.items()))
+        return torch.cat(out)  # type: ignore[arg-type]
+
+    def block_damping(self, name: str) -> float:
+        """The damping of block ``name``: absolute, or ``0.1 mean(Λ)``."""
+        if self.damping is not None:
+            return float(self.damping)
+        return float(HEURISTIC_DAMPING * self._factors[name].lam().mean())
+
+    def _preconditioned_queries(self, queries: Iterable[Batch],
+                                measurement: Measurement) -> dict[str, torch.Tensor]:
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
+        for inputs, targets in queries:
+            for name, g in self._gradients(inputs, targets, measurement).items():
+                parts[name].append(self._precondition(name, g))
+        return {name: torch.cat(p) for name, p in parts.items()}
+
+    def _precondition(self, name: str, grads: torch.Tensor) -> torch.Tensor:
+        """``QS ((QS^T G QA) / (Λ + λ)) QA^T`` of per-example gradients ``G``."""
+        if not self.fitted:
+            raise RuntimeError("EKFACInfluence: call fit() (or load a fit) before scoring")
+        f = self._factors[name]
+        assert f.qa is not None and f.qs is not None
+        inverse = 1.0 / (f.lam() + self.block_damping(name))
+        return f.qs @ ((f.qs.T @ grads @ f.qa) * inverse) @ f.qa.T
+
+    # ------------------------------------------------------------------ observing
+    def _gradients(self, inputs: torch.Tensor, targets: torch.Tensor,
+                   loss: Measurement | None = None) -> dict[str, torch.Tensor]:
+        """Per block, the examples' gradients ``(N, out, in [+1])`` of ``loss``."""
+        return {name: torch.einsum("nro,nri->noi", g, a)
+                for name, (a, g) in self._observe(inputs, targets, loss).items()}
+
+    def _observe(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 loss: Measurement | None = None) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Per block, ``(a, g)`` rows of one batch (the calls of a block side by side)."""
+        calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.blocks}
+        handles = []
+        for name, block in self.blocks.items():
+            def hook(module: nn.Module, args: Any, out: Any, name: str = name) -> None:
+                if isinstance(out, torch.Tensor) and out.requires_grad and args:
+                    calls[name].append((args[0].detach(), out))
+
+            handles.append(block.module.register_forward_hook(hook))
+        try:
+            with torch.enable_grad(), self._evaluating():
+                outputs = self.model(inputs)
+                value = (loss or self.loss)(outputs, targets)
+        finally:
+            for handle in handles:
+                handle.remove()
+        observed = [(n, x, out) for n, seen in calls.items() for x, out in seen]
+        grads = torch.autograd.grad(value, [out for _, _, out in observed], allow_unused=True)
+        rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.blocks}
+        for (name, x, out), d in zip(observed, grads, strict=True):
+            rows[name].append(_rows(self.blocks[name], x,
+                                    torch.zeros_like(out) if d is None else d, self.dtype))
+        return {name: (torch.cat([a for a, _ in r], dim=1), torch.cat([g for _, g in r], dim=1))
+                for name, r in rows.items() if r}
+
+    @contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        was = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was)
+
+    # ------------------------------------------------------------------ saving
+    def state_dict(self) -> dict[str, Any]:
+        """The fit: per block its bases, ``Λ``'s sum and count, and the rows counted."""
+        if not self.fitted:
+            raise RuntimeError("EKFACInfluence: nothing to save before fit()")
+        return {"fisher": self.fisher.value, "blocks": {
+            name: {"qa": f.qa, "qs": f.qs, "lam_sum": f.lam_sum, "examples": f.examples,
+                   "rows": f.rows} for name, f in self._factors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`; a fit of another model is refused, nothing loaded."""
+        blocks = state.get("blocks") if isinstance(state, dict) else None
+        if not isinstance(blocks, dict) or set(blocks) != set(self.blocks):
+            raise ValueError("not an EKFACInfluence fit of this model (its layers differ)")
+        loaded = {}
+        for name, entry in blocks.items():
+            a_dim, g_dim = self.blocks[name].dims
+            want = {"qa": (a_dim, a_dim), "qs": (g_dim, g_dim), "lam_sum": (g_dim, a_dim)}
+            for key, shape in want.items():
+                t = entry.get(key)
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                    raise ValueError(f"the fit's {key} of layer {name!r} is not {shape} "
+                                     "(a fit of another model?)")
+            loaded[name] = _Factors(qa=entry["qa"].to(self.dtype), qs=entry["qs"].to(self.dtype),
+                                    lam_sum=entry["lam_sum"].to(self.dtype),
+                                    examples=int(entry["examples"]), rows=int(entry["rows"]))
+        self._factors = loaded
+
+    def save(self, path: str | Path) -> None:
+        """Writes :meth:`state_dict` to ``path``."""
+        torch.save(self.state_dict(), Path(path))
+
+    def load(self, path: str | Path) -> None:
+        """Reads a :meth:`save` file (refused in one line when it is not one of this model)."""
+        try:
+            state = torch.load(Path(path), weights_only=True)
+        except Exception as error:  # a truncated or foreign file
+            raise ValueError(f"{path}: not an EKFACInfluence fit ({error})") from error
+        self.load_state_dict(state)
+
+
+def _basis(factor: torch.Tensor) -> torch.Tensor:
+    """The eigenvectors of the symmetrised ``factor``, in float64 (ascending)."""
+    f = factor.double()
+    basis: torch.Tensor = torch.linalg.eigh((f + f.T) / 2).eigenvectors
+    return basis
+

@@ -1,0 +1,145 @@
+"""``kaisa.influence.EKFACInfluence``: the conventions in float64, and their anchor.
+
+Against the plain-torch transcription of ``docs/conventions.md``, "Influence"
+(``tests/influence/test_anchor.py``) on a digits MLP, any batch size; against Kronfluence
+1.0.1 itself (slow, skipped where it is not installed) on the MLP and a small CNN. Saving
+and loading a fit, a fit of another model refused, coverage, the true Fisher's draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from kaisa.influence import EKFACInfluence
+from tests.influence.test_anchor import _digits, _lambda, _rel, conventions_ekfac
+
+F64 = torch.float64
+
+
+def _batches(data: TensorDataset, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = data.tensors
+    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(x), size)]
+
+
+def _fixed(model: nn.Module, train: TensorDataset) -> torch.Tensor:
+    with torch.no_grad():
+        probs = F.softmax(model(train.tensors[0]), dim=-1)
+    return torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(3))[:, 0]
+
+
+def _fit(model: nn.Module, train: TensorDataset, labels: torch.Tensor, size: int,
+         damping: float | None) -> EKFACInfluence:
+    """Fitted with ``labels`` as the Fisher's (the empirical mode on relabelled batches)."""
+    influence = EKFACInfluence(model, fisher="empirical", damping=damping, dtype=F64)
+    relabelled = TensorDataset(train.tensors[0], labels)
+    influence.fit(lambda: iter(_batches(relabelled, size)))
+    return influence
+
+
+@pytest.mark.parametrize(("fixed", "damping", "size"),
+                         [(False, None, 64), (True, 1e-3, 200), (True, None, 17)])
+def test_scores_equal_the_conventions_float64(fixed: bool, damping: float | None,
+                                              size: int) -> None:
+    model, train, query = _digits()
+    labels = _fixed(model, train) if fixed else train.tensors[1]
+    influence = _fit(model, train, labels, size, damping)
+    want = conventions_ekfac(model, train, query, damping=damping, factor_labels=labels,
+                             lambda_labels=labels)
+    for name, f in influence._factors.items():  # the fit, in the reference's bases
+        assert f.qa is not None and f.qs is not None
+        expected = want["factors"][name]
+        assert _rel(f.lam(), _lambda(expected["G_lambda"], f.qs, f.qa)) < 1e-12
+        assert abs(influence.block_damping(name) - expected["damping"]) <= (
+            1e-12 * expected["damping"])
+    pairwise = influence.pairwise_scores(_batches(query, 7), _batches(train, size))
+    assert pairwise.shape == (20, 200)
+    assert _rel(pairwise, want["pairwise"]) < 1e-10
+    assert _rel(influence.self_scores(_batches(train, 33)), want["self"]) < 1e-10
+
+
+def test_a_fit_saves_loads_and_refuses_another_models(tmp_path: Path) -> None:
+    model, train, _ = _digits()
+    influence = _fit(model, train, train.tensors[1], 50, None)
+    scores = influence.self_scores(_batches(train, 50))
+    influence.save(tmp_path / "fit.pt")
+    again = EKFACInfluence(model, damping=None, dtype=F64)
+    with pytest.raises(RuntimeError, match="call fit"):
+        again.self_scores(_batches(train, 50))
+    again.load(tmp_path / "fit.pt")
+    assert torch.equal(again.self_scores(_batches(train, 50)), scores)
+    other = EKFACInfluence(nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)))
+    with pytest.raises(ValueError, match=r"qs of layer '0' is not \(16, 16\)"):
+        other.load(tmp_path / "fit.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a fit")
+    with pytest.raises(ValueError, match="not an EKFACInfluence fit"):
+        again.load(tmp_path / "junk.pt")
+
+
+def test_coverage_and_the_true_fishers_draws() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 16), nn.LayerNorm(16), nn.Linear(16, 10)).double()
+    train = _digits()[1]
+    influence = EKFACInfluence(model, seed=5, dtype=F64)  # true Fisher: labels drawn
+    assert influence.coverage() == {"0.weight": "linear", "0.bias": "linear",
+                                    "1.weight": "first-order", "1.bias": "first-order",
+                                    "2.weight": "linear", "2.bias": "linear"}
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(_batches(train, 64))
+
+    influence.fit(batches)
+    first = influence.self_scores(batches())
+    repeat = EKFACInfluence(model, seed=5, dtype=F64)
+    repeat.fit(batches)
+    assert torch.equal(repeat.self_scores(batches()), first)  # the draws follow the seed
+    assert bool((first > 0).all()) and bool(torch.isfinite(first).all())
+    with pytest.raises(ValueError, match="damping must be >= 0"):
+        EKFACInfluence(model, damping=-1.0)
+    with pytest.raises(ValueError, match="no layer influence can track"):
+        EKFACInfluence(nn.Sequential(nn.LayerNorm(4)))
+
+
+class _CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(4 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pool(torch.relu(self.conv(x.reshape(-1, 1, 8, 8))))
+        return self.fc(h.flatten(1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("net", ["mlp", "cnn"])
+def test_kaisa_equals_kronfluence(net: str, tmp_path: Path) -> None:
+    """The anchor itself: factors' ``Λ``, damping and scores to 1e-6 relative."""
+    pytest.importorskip("kronfluence", reason="kronfluence 1.0.1 is not installed")
+    from tests.support.kronfluence import kronfluence_ekfac
+
+    model, train, query = _digits()
+    if net == "cnn":
+        torch.manual_seed(0)
+        model = _CNN().double()
+    labels = _fixed(model, train)
+    theirs = kronfluence_ekfac(model, train, query, damping=None, batch_size=64,
+                               workdir=str(tmp_path), empirical=False, fixed_labels=labels)
+    ours = _fit(model, train, labels, 64, None)
+    assert set(ours.blocks) == set(theirs["factors"])
+    for name, want in theirs["factors"].items():
+        f = ours._factors[name]
+        assert f.a_sum is not None and f.s_sum is not None
+        assert _rel(f.a_sum / f.rows, want["A"]) < 1e-6
+        assert _rel(f.s_sum / f.rows, want["S"]) < 1e-6
+        assert abs(ours.block_damping(name) - want["damping"]) <= 1e-6 * want["damping"]
+    pairwise = ours.pairwise_scores(_batches(query, 64), _batches(train, 64))
+    assert _rel(pairwise, theirs["pairwise"]) < 1e-6
+    assert _rel(ours.self_scores(_batches(train, 64)), theirs["self"]) < 1e-6
