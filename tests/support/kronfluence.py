@@ -53,16 +53,17 @@ class ClassificationTask(Task):  # type: ignore[misc]
         return F.cross_entropy(model(inputs), labels, reduction="sum")
 
 
-def _indexed(data: TensorDataset) -> TensorDataset:
+def _indexed(data: TensorDataset, dtype: torch.dtype) -> TensorDataset:
     x, y = data.tensors[0], data.tensors[1]
-    return TensorDataset(x.to(F64), y.long(), torch.arange(len(x)))
+    return TensorDataset(x.to(dtype), y.long(), torch.arange(len(x)))
 
 
 def kronfluence_ekfac(
     model: nn.Module, train: TensorDataset, query: TensorDataset, *, damping: float | None,
     batch_size: int, workdir: str, empirical: bool, fixed_labels: torch.Tensor | None = None,
+    dtype: torch.dtype = F64, self_scores: bool = True,
 ) -> dict[str, Any]:
-    """Kronfluence's EK-FAC factors and scores, every dtype float64.
+    """Kronfluence's EK-FAC factors and scores, every dtype float64 (or ``dtype``).
 
     Args:
         model: The classifier (copied; Kronfluence wraps its layers).
@@ -74,6 +75,9 @@ def kronfluence_ekfac(
         empirical: The Fisher of the true labels (``use_empirical_fisher``); else the
             sampled or ``fixed_labels``.
         fixed_labels: The Fisher labels of both passes, by training index.
+        dtype: The statistics' and scores' dtype (float32: Kronfluence's defaults; its
+            eigendecompositions run in float64 either way); the model and data follow it.
+        self_scores: Also the self-influence scores.
 
     Returns:
         ``{"factors": {module: {"A", "S", "QA", "QS", "lambda", "damping"}},
@@ -81,19 +85,19 @@ def kronfluence_ekfac(
     """
     warnings.filterwarnings("ignore", message=".*GradScaler.*")
     task = ClassificationTask(fixed_labels)
-    model = prepare_model(model=copy.deepcopy(model).to(F64), task=task)
+    model = prepare_model(model=copy.deepcopy(model).to(dtype), task=task)
     analyzer = Analyzer(analysis_name="kaisa_anchor", model=model, task=task, cpu=True,
                         log_level=logging.WARNING, disable_tqdm=True, output_dir=workdir)
     factor_args = FactorArguments(
         strategy="ekfac", use_empirical_fisher=empirical, amp_dtype=None,
         covariance_max_examples=None, lambda_max_examples=None,
-        activation_covariance_dtype=F64, gradient_covariance_dtype=F64,
-        eigendecomposition_dtype=F64, per_sample_gradient_dtype=F64, lambda_dtype=F64)
+        activation_covariance_dtype=dtype, gradient_covariance_dtype=dtype,
+        eigendecomposition_dtype=F64, per_sample_gradient_dtype=dtype, lambda_dtype=dtype)
     score_args = ScoreArguments(
         damping_factor=damping, amp_dtype=None, query_gradient_low_rank=None,
-        query_gradient_svd_dtype=F64, per_sample_gradient_dtype=F64,
-        precondition_dtype=F64, score_dtype=F64)
-    train_set, query_set = _indexed(train), _indexed(query)
+        query_gradient_svd_dtype=dtype, per_sample_gradient_dtype=dtype,
+        precondition_dtype=dtype, score_dtype=dtype)
+    train_set, query_set = _indexed(train, dtype), _indexed(query, dtype)
     analyzer.fit_all_factors("f", train_set, per_device_batch_size=batch_size,
                              factor_args=factor_args, overwrite_output_dir=True)
     analyzer.compute_pairwise_scores(
@@ -101,10 +105,11 @@ def kronfluence_ekfac(
         train_dataset=train_set, per_device_query_batch_size=batch_size,
         per_device_train_batch_size=batch_size, score_args=score_args,
         overwrite_output_dir=True)
-    analyzer.compute_self_scores(
-        scores_name="self", factors_name="f", train_dataset=train_set,
-        per_device_train_batch_size=batch_size, score_args=score_args,
-        overwrite_output_dir=True)
+    if self_scores:
+        analyzer.compute_self_scores(
+            scores_name="self", factors_name="f", train_dataset=train_set,
+            per_device_train_batch_size=batch_size, score_args=score_args,
+            overwrite_output_dir=True)
     cov = analyzer.load_covariance_matrices("f")
     eig = analyzer.load_eigendecomposition("f")
     lam = analyzer.load_lambda_matrices("f")
@@ -123,4 +128,4 @@ def kronfluence_ekfac(
         }
     return {"factors": factors,
             "pairwise": analyzer.load_pairwise_scores("pairwise")["all_modules"],
-            "self": analyzer.load_self_scores("self")["all_modules"]}
+            "self": analyzer.load_self_scores("self")["all_modules"] if self_scores else None}

@@ -1,0 +1,20 @@
+"""bench/influence/vs_kronfluence.py in its smoke form (no timing claim)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.bench import load_bench
+
+
+@pytest.mark.slow
+def test_influence_speed_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("kronfluence", reason="kronfluence 1.0.1 is not installed")
+    out = tmp_path / "vs.json"
+    doc = load_bench("vs_kronfluence").main(["--tiny", "--out", str(out)])
+    assert json.loads(out.read_text())["kaisa_over_kronfluence"] == doc["kaisa_over_kronfluence"]
+    assert set(doc["seconds"]) == {"kaisa", "kronfluence"}
+    assert doc["settings"]["train"] == 64 and doc["seconds"]["kaisa"]["samples"] == 1
