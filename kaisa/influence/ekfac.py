@@ -13,7 +13,7 @@ reported ``"first-order"`` by :meth:`EKFACInfluence.coverage`. One process.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +27,7 @@ from kaisa.blocks import Conv2dBlock, CurvatureBlock, LinearBlock, register_bloc
 from kaisa.blocks.conv2d import Conv1dBlock
 from kaisa.core.coverage import FIRST_ORDER
 
-__all__ = ["EKFACInfluence", "Fisher"]
+__all__ = ["EKFACInfluence", "Fisher", "running_factors"]
 
 #: A batch: ``(inputs, targets)``; the model is called on ``inputs``.
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -154,15 +154,52 @@ class EKFACInfluence:
         """Whether :meth:`fit` ran (or a fit was loaded)."""
         return all(f.qa is not None and f.lam_sum is not None for f in self._factors.values())
 
-    def fit(self, batches: Callable[[], Iterable[Batch]]) -> None:
+    def fit(self, batches: Callable[[], Iterable[Batch]], *,
+            factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """The covariances, eigenbases and ``Λ`` over the training set.
 
         Args:
             batches: Called twice (the factor pass, then the ``Λ`` pass), each time
-                yielding the training set's ``(inputs, targets)`` batches in order.
+                yielding the training set's ``(inputs, targets)`` batches in order; once
+                (the ``Λ`` pass) with ``factors``.
+            factors: ``{block name: (A, G)}`` running factors of a training run
+                (:func:`running_factors`) whose eigenvectors are the bases, instead of
+                the factor pass (``docs/conventions.md``, "Influence", seeding).
+
+        Raises:
+            ValueError: ``factors`` miss a block or have another shape; nothing is fitted.
         """
-        self._factors = {name: _Factors() for name in self.blocks}
+        if factors is not None:
+            self._seed(factors)
+        else:
+            self._covariances(batches())
         for inputs, targets in batches():
+            grads = self._gradients(inputs, self._labels(inputs, targets))
+            for name, g in grads.items():
+                f = self._factors[name]
+                assert f.qa is not None and f.qs is not None
+                square = (f.qs.T @ g @ f.qa).square().sum(0)
+                f.lam_sum = square if f.lam_sum is None else f.lam_sum.add_(square)
+                f.examples += g.shape[0]
+
+    def _seed(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The bases from a training run's running factors (checked first)."""
+        for name, block in self.blocks.items():
+            pair = factors.get(name)
+            dims = block.dims
+            if pair is None or tuple(pair[0].shape) != (dims[0],) * 2 or tuple(
+                    pair[1].shape) != (dims[1],) * 2:
+                raise ValueError(f"the running factors of layer {name!r} are not "
+                                 f"{dims[0]}x{dims[0]} and {dims[1]}x{dims[1]} (another "
+                                 "model, or blocks without a bias column?)")
+        self._factors = {name: _Factors(qa=_basis(factors[name][0]).to(self.dtype),
+                                        qs=_basis(factors[name][1]).to(self.dtype))
+                         for name in self.blocks}
+
+    def _covariances(self, batches: Iterable[Batch]) -> None:
+        """Steps 1 and 2: the factor pass and the bases."""
+        self._factors = {name: _Factors() for name in self.blocks}
+        for inputs, targets in batches:
             for name, (a, g) in self._observe(inputs, self._labels(inputs, targets)).items():
                 f = self._factors[name]
                 a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
@@ -174,14 +211,6 @@ class EKFACInfluence:
                 raise ValueError(f"layer {name!r} saw no data in the factor pass")
             f.qa = _basis(f.a_sum / f.rows).to(self.dtype)
             f.qs = _basis(f.s_sum / f.rows).to(self.dtype)
-        for inputs, targets in batches():
-            grads = self._gradients(inputs, self._labels(inputs, targets))
-            for name, g in grads.items():
-                f = self._factors[name]
-                assert f.qa is not None and f.qs is not None
-                square = (f.qs.T @ g @ f.qa).square().sum(0)
-                f.lam_sum = square if f.lam_sum is None else f.lam_sum.add_(square)
-                f.examples += g.shape[0]
 
     def _labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The batch's Fisher labels: its targets, or drawn from the model's outputs."""
@@ -329,6 +358,21 @@ class EKFACInfluence:
         except Exception as error:  # a truncated or foreign file
             raise ValueError(f"{path}: not an EKFACInfluence fit ({error})") from error
         self.load_state_dict(state)
+
+
+def running_factors(product: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{block name: (A, G)}`` of a product's dense running factors (one group).
+
+    ``product`` is a ``KFACPreconditioner``, ``kaisa.KFAC``, ``kaisa.EKFAC`` or
+    ``kaisa.KFACMuon`` (anything with ``curvature.blocks``) of the same model.
+    """
+    out = {}
+    for name, block in product.curvature.blocks.items():
+        a, g = block.a, block.g
+        if a is not None and g is not None and a.dim() == 3 and g.dim() == 3 and (
+                a.shape[0] == g.shape[0] == 1):
+            out[name] = (a[0], g[0])
+    return out
 
 
 def _basis(factor: torch.Tensor) -> torch.Tensor:

@@ -143,3 +143,58 @@ def test_kaisa_equals_kronfluence(net: str, tmp_path: Path) -> None:
     pairwise = ours.pairwise_scores(_batches(query, 64), _batches(train, 64))
     assert _rel(pairwise, theirs["pairwise"]) < 1e-6
     assert _rel(ours.self_scores(_batches(train, 64)), theirs["self"]) < 1e-6
+
+
+def test_bases_seeded_from_exact_factors_give_the_full_fit() -> None:
+    """The seeding path: bases from given ``(A, G)`` (``G`` at any scale, as a training
+    run's mean loss gives it) equal the full fit when the factors are the covariances."""
+    model, train, query = _digits()
+    full = _fit(model, train, train.tensors[1], 50, None)
+    exact = {name: (f.a_sum / f.rows, 37.0 * f.s_sum / f.rows)  # type: ignore[operator]
+             for name, f in full._factors.items()}
+    seeded = EKFACInfluence(model, fisher="empirical", damping=None, dtype=F64)
+    passes = []
+
+    def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        passes.append(1)
+        return _batches(train, 50)
+
+    seeded.fit(batches, factors=exact)
+    assert len(passes) == 1  # the Λ pass alone
+    want = full.pairwise_scores(_batches(query, 20), _batches(train, 50))
+    assert _rel(seeded.pairwise_scores(_batches(query, 20), _batches(train, 50)), want) < 1e-10
+
+
+def test_seeding_from_a_training_run_and_its_refusals() -> None:
+    """Seeded from the running factors of a KFACPreconditioner that trained the model: an
+    approximation of the full fit (rankings correlated, not equal); factors of other
+    shapes (another model's; KFACMuon's, without a bias column) are refused."""
+    import kaisa
+    from kaisa.influence import running_factors
+
+    model, train, query = _digits()
+    pre = kaisa.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=5)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        for x, y in _batches(train, 20):
+            sgd.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            sgd.step()
+    full = EKFACInfluence(model, seed=1, dtype=F64)
+    full.fit(lambda: iter(_batches(train, 50)))
+    seeded = EKFACInfluence(model, seed=1, dtype=F64)
+    seeded.fit(lambda: iter(_batches(train, 50)), factors=running_factors(pre))
+    a = full.pairwise_scores(_batches(query, 20), _batches(train, 50))
+    b = seeded.pairwise_scores(_batches(query, 20), _batches(train, 50))
+    ranks = [float(torch.corrcoef(torch.stack([x.argsort().argsort().double(),
+                                               y.argsort().argsort().double()]))[0, 1])
+             for x, y in zip(a, b, strict=True)]
+    # measured: Spearman per query 0.56 to 0.89, mean 0.774 (the running factors start
+    # from the identity and weigh the last steps: an approximation, docs/influence.md)
+    assert min(ranks) > 0.45 and sum(ranks) / len(ranks) > 0.7, ranks
+    muon = kaisa.KFACMuon(model, curvature="eigen")
+    with pytest.raises(ValueError, match=r"not 65x65 and 32x32 .*without a bias column"):
+        EKFACInfluence(model).fit(lambda: iter(_batches(train, 50)),
+                                  factors={"0": (torch.eye(64), torch.eye(32)),
+                                           **running_factors(muon)})
