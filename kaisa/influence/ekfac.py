@@ -7,7 +7,12 @@ then computes pairwise scores (queries x training examples) and self-influence s
 The blocks are kaisa's (:func:`kaisa.blocks.register_blocks`): ``nn.Linear``, Hugging
 Face's transposed ``Conv1D`` and ``nn.Conv2d`` (one group) here; a block observed through
 functional calls (attention, experts) or of another kind is not scored yet and is
-reported ``"first-order"`` by :meth:`EKFACInfluence.coverage`. One process.
+reported ``"first-order"`` by :meth:`EKFACInfluence.coverage`.
+
+Under ``torch.distributed`` each rank passes its own contiguous shard of the training set
+(rank 0 the first): the sums and counts of both passes are summed over the ranks (every
+rank then holds the same fit), and the scores of each rank's shard are gathered, in rank
+order, on every rank (kaisa's communicator, :mod:`kaisa.distributed`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import nn
 from kaisa.blocks import Conv2dBlock, CurvatureBlock, LinearBlock, register_blocks
 from kaisa.blocks.conv2d import Conv1dBlock
 from kaisa.core.coverage import FIRST_ORDER
+from kaisa.distributed.torch_comm import make_communicator
 
 __all__ = ["EKFACInfluence", "Fisher", "running_factors"]
 
@@ -134,7 +140,10 @@ class EKFACInfluence:
         self.damping = damping
         self.dtype = dtype
         self.loss = loss
-        self.generator = torch.Generator().manual_seed(seed)
+        probe = make_communicator()
+        world = tuple(range(probe.world_size))
+        self._comm = make_communicator(groups=[world] if len(world) > 1 else ())
+        self.generator = torch.Generator().manual_seed(seed + self._comm.rank)
         blocks = register_blocks(model, kinds=layer_kinds)
         self.blocks = {name: b for name, b in blocks.items() if _scored(b)}
         if not self.blocks:
@@ -181,6 +190,46 @@ class EKFACInfluence:
                 square = (f.qs.T @ g @ f.qa).square().sum(0)
                 f.lam_sum = square if f.lam_sum is None else f.lam_sum.add_(square)
                 f.examples += g.shape[0]
+        for name, f in self._factors.items():
+            if f.lam_sum is None:
+                a_dim, g_dim = self.blocks[name].dims
+                f.lam_sum = torch.zeros(g_dim, a_dim, dtype=self.dtype)  # no data on this rank
+        sums = self._summed([f.lam_sum for f in self._factors.values() if f.lam_sum is not None],
+                            [f.examples for f in self._factors.values()])
+        for f, (lam_sum, examples) in zip(self._factors.values(), sums, strict=True):
+            f.lam_sum, f.examples = lam_sum, examples
+            if examples == 0:
+                raise ValueError("the training set is empty (the Λ pass saw no example)")
+
+    def _summed(self, tensors: list[torch.Tensor], counts: list[int]
+                ) -> list[tuple[torch.Tensor, int]]:
+        """Each tensor and count summed over the ranks (unchanged in one process)."""
+        comm, world = self._comm, self._comm.world_size
+        if world == 1:
+            return list(zip(tensors, counts, strict=True))
+        handles = [comm.allreduce_mean(t, kind="influence") for t in tensors]
+        total = comm.allreduce_mean(torch.tensor(counts, dtype=torch.float64), kind="influence")
+        comm.flush()
+        summed = [h.wait() * world for h in handles]
+        totals = [round(float(c) * world) for c in total.wait()]
+        return list(zip(summed, totals, strict=True))
+
+    def _gathered(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``local`` scores (its shard, the last dimension), in rank order."""
+        comm, world = self._comm, self._comm.world_size
+        if world == 1:
+            return local
+        sizes = torch.zeros(world, dtype=torch.float64)
+        sizes[comm.rank] = local.shape[-1]
+        handle = comm.allreduce_mean(sizes, kind="influence")
+        comm.flush()
+        counts = [round(float(s) * world) for s in handle.wait()]
+        parts = [local if src == comm.rank else local.new_empty(*local.shape[:-1], n)
+                 for src, n in enumerate(counts)]
+        handles = [comm.broadcast(part, src, tuple(range(world)), kind="influence")
+                   for src, part in enumerate(parts)]
+        comm.flush()
+        return torch.cat([h.wait() for h in handles], dim=-1)
 
     def _seed(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The bases from a training run's running factors (checked first)."""
@@ -207,8 +256,19 @@ class EKFACInfluence:
                 f.s_sum = g2.T @ g2 if f.s_sum is None else f.s_sum.addmm_(g2.T, g2)
                 f.rows += a2.shape[0]
         for name, f in self._factors.items():
-            if f.a_sum is None or f.s_sum is None:
+            if f.a_sum is None or f.s_sum is None:  # no data on this rank: zeros to sum
+                a_dim, g_dim = self.blocks[name].dims
+                f.a_sum = torch.zeros(a_dim, a_dim, dtype=self.dtype)
+                f.s_sum = torch.zeros(g_dim, g_dim, dtype=self.dtype)
+        a_sums = self._summed([f.a_sum for f in self._factors.values() if f.a_sum is not None],
+                              [f.rows for f in self._factors.values()])
+        s_sums = self._summed([f.s_sum for f in self._factors.values() if f.s_sum is not None],
+                              [f.rows for f in self._factors.values()])
+        for (name, f), (a_sum, rows), (s_sum, _) in zip(self._factors.items(), a_sums, s_sums,
+                                                         strict=True):
+            if rows == 0:
                 raise ValueError(f"layer {name!r} saw no data in the factor pass")
+            f.a_sum, f.s_sum, f.rows = a_sum, s_sum, rows
             f.qa = _basis(f.a_sum / f.rows).to(self.dtype)
             f.qs = _basis(f.s_sum / f.rows).to(self.dtype)
 
@@ -242,7 +302,9 @@ class EKFACInfluence:
             grads = self._gradients(inputs, targets)
             columns.append(sum(torch.einsum("qoi,toi->qt", per_block[name], g)
                                for name, g in grads.items()))
-        return torch.cat(columns, dim=1)  # type: ignore[arg-type]
+        local = (torch.cat(columns, dim=1) if columns  # type: ignore[arg-type]
+                 else torch.zeros(len(next(iter(per_block.values()))), 0, dtype=self.dtype))
+        return self._gathered(local)
 
     def self_scores(self, train: Iterable[Batch]) -> torch.Tensor:
         """``(n_train,)``: each training example's preconditioned gradient against itself."""
@@ -251,7 +313,8 @@ class EKFACInfluence:
             grads = self._gradients(inputs, targets)
             out.append(sum((self._precondition(name, g) * g).sum((1, 2))
                            for name, g in grads.items()))
-        return torch.cat(out)  # type: ignore[arg-type]
+        local = torch.cat(out) if out else torch.zeros(0, dtype=self.dtype)  # type: ignore[arg-type]
+        return self._gathered(local)
 
     def block_damping(self, name: str) -> float:
         """The damping of block ``name``: absolute, or ``0.1 mean(Λ)``."""
