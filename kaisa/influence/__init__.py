@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
-from kaisa.influence.ekfac import EKFACInfluence, Fisher, running_factors, summed_cross_entropy
+from kaisa.influence.ekfac import EKFACInfluence, Fisher, summed_cross_entropy
+from kaisa.influence.rows import running_factors
 
 __all__ = ["EKFACInfluence", "Fisher", "running_factors", "summed_cross_entropy"]

@@ -18,9 +18,9 @@ order, on every rank (kaisa's communicator, :mod:`kaisa.distributed`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kaisa.blocks import Conv2dBlock, CurvatureBlock, LinearBlock, register_blocks
-from kaisa.blocks.conv2d import Conv1dBlock
+from kaisa.blocks import register_blocks
 from kaisa.core.coverage import FIRST_ORDER
 from kaisa.distributed.torch_comm import make_communicator
+from kaisa.influence.ranks import gathered, summed
+from kaisa.influence.rows import basis, evaluating, observe, scored
 
-__all__ = ["EKFACInfluence", "Fisher", "running_factors"]
+__all__ = ["EKFACInfluence", "Fisher"]
 
 #: A batch: ``(inputs, targets)``; the model is called on ``inputs``.
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -76,35 +77,6 @@ class _Factors:
         return self.lam_sum / self.examples
 
 
-def _scored(block: CurvatureBlock) -> bool:
-    """Blocks observed at their module's own calls, of a kind with rows here."""
-    if any(site.weight is not None or site.module is not block.module
-           for site in block.call_sites()):
-        return False  # functional call sites (attention, experts), or several modules
-    if isinstance(block, Conv2dBlock):
-        return not isinstance(block, Conv1dBlock) and block.groups == 1
-    return isinstance(block, LinearBlock) and (
-        type(block).gradient_matrix is CurvatureBlock.gradient_matrix or block.transposed)
-
-
-def _rows(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, g)`` as ``(N, rows, in [+1])`` and ``(N, rows, out)``: an example's rows."""
-    n = x.shape[0]
-    if isinstance(block, Conv2dBlock):
-        conv = block.module
-        assert isinstance(conv, nn.Conv2d)
-        a = F.unfold(x.to(dtype), conv.kernel_size, dilation=conv.dilation,
-                     padding=conv.padding, stride=conv.stride).transpose(1, 2)  # type: ignore[arg-type]
-        g = d.to(dtype).reshape(n, d.shape[1], -1).transpose(1, 2)
-    else:
-        a = x.to(dtype).reshape(n, -1, x.shape[-1])
-        g = d.to(dtype).reshape(n, -1, d.shape[-1])
-    if block.has_bias:
-        a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
-    return a, g
-
-
 class EKFACInfluence:
     """EK-FAC influence: fit once on the training set, then score queries.
 
@@ -145,7 +117,7 @@ class EKFACInfluence:
         self._comm = make_communicator(groups=[world] if len(world) > 1 else ())
         self.generator = torch.Generator().manual_seed(seed + self._comm.rank)
         blocks = register_blocks(model, kinds=layer_kinds)
-        self.blocks = {name: b for name, b in blocks.items() if _scored(b)}
+        self.blocks = {name: b for name, b in blocks.items() if scored(b)}
         if not self.blocks:
             raise ValueError("model has no layer influence can track (nn.Linear, nn.Conv2d)")
         self._factors = {name: _Factors() for name in self.blocks}
@@ -194,42 +166,13 @@ class EKFACInfluence:
             if f.lam_sum is None:
                 a_dim, g_dim = self.blocks[name].dims
                 f.lam_sum = torch.zeros(g_dim, a_dim, dtype=self.dtype)  # no data on this rank
-        sums = self._summed([f.lam_sum for f in self._factors.values() if f.lam_sum is not None],
-                            [f.examples for f in self._factors.values()])
+        fits = list(self._factors.values())
+        sums = summed(self._comm, [f.lam_sum for f in fits if f.lam_sum is not None],
+                      [f.examples for f in fits])
         for f, (lam_sum, examples) in zip(self._factors.values(), sums, strict=True):
             f.lam_sum, f.examples = lam_sum, examples
             if examples == 0:
                 raise ValueError("the training set is empty (the Λ pass saw no example)")
-
-    def _summed(self, tensors: list[torch.Tensor], counts: list[int]
-                ) -> list[tuple[torch.Tensor, int]]:
-        """Each tensor and count summed over the ranks (unchanged in one process)."""
-        comm, world = self._comm, self._comm.world_size
-        if world == 1:
-            return list(zip(tensors, counts, strict=True))
-        handles = [comm.allreduce_mean(t, kind="influence") for t in tensors]
-        total = comm.allreduce_mean(torch.tensor(counts, dtype=torch.float64), kind="influence")
-        comm.flush()
-        summed = [h.wait() * world for h in handles]
-        totals = [round(float(c) * world) for c in total.wait()]
-        return list(zip(summed, totals, strict=True))
-
-    def _gathered(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``local`` scores (its shard, the last dimension), in rank order."""
-        comm, world = self._comm, self._comm.world_size
-        if world == 1:
-            return local
-        sizes = torch.zeros(world, dtype=torch.float64)
-        sizes[comm.rank] = local.shape[-1]
-        handle = comm.allreduce_mean(sizes, kind="influence")
-        comm.flush()
-        counts = [round(float(s) * world) for s in handle.wait()]
-        parts = [local if src == comm.rank else local.new_empty(*local.shape[:-1], n)
-                 for src, n in enumerate(counts)]
-        handles = [comm.broadcast(part, src, tuple(range(world)), kind="influence")
-                   for src, part in enumerate(parts)]
-        comm.flush()
-        return torch.cat([h.wait() for h in handles], dim=-1)
 
     def _seed(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The bases from a training run's running factors (checked first)."""
@@ -241,15 +184,18 @@ class EKFACInfluence:
                 raise ValueError(f"the running factors of layer {name!r} are not "
                                  f"{dims[0]}x{dims[0]} and {dims[1]}x{dims[1]} (another "
                                  "model, or blocks without a bias column?)")
-        self._factors = {name: _Factors(qa=_basis(factors[name][0]).to(self.dtype),
-                                        qs=_basis(factors[name][1]).to(self.dtype))
+        self._factors = {name: _Factors(qa=basis(factors[name][0]).to(self.dtype),
+                                        qs=basis(factors[name][1]).to(self.dtype))
                          for name in self.blocks}
 
     def _covariances(self, batches: Iterable[Batch]) -> None:
         """Steps 1 and 2: the factor pass and the bases."""
         self._factors = {name: _Factors() for name in self.blocks}
         for inputs, targets in batches:
-            for name, (a, g) in self._observe(inputs, self._labels(inputs, targets)).items():
+            observed = observe(self.model, self.blocks, inputs,
+                               partial(_flipped, self.loss, self._labels(inputs, targets)),
+                               self.dtype)
+            for name, (a, g) in observed.items():
                 f = self._factors[name]
                 a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
                 f.a_sum = a2.T @ a2 if f.a_sum is None else f.a_sum.addmm_(a2.T, a2)
@@ -260,23 +206,23 @@ class EKFACInfluence:
                 a_dim, g_dim = self.blocks[name].dims
                 f.a_sum = torch.zeros(a_dim, a_dim, dtype=self.dtype)
                 f.s_sum = torch.zeros(g_dim, g_dim, dtype=self.dtype)
-        a_sums = self._summed([f.a_sum for f in self._factors.values() if f.a_sum is not None],
-                              [f.rows for f in self._factors.values()])
-        s_sums = self._summed([f.s_sum for f in self._factors.values() if f.s_sum is not None],
-                              [f.rows for f in self._factors.values()])
+        fits = list(self._factors.values())
+        counts = [f.rows for f in fits]
+        a_sums = summed(self._comm, [f.a_sum for f in fits if f.a_sum is not None], counts)
+        s_sums = summed(self._comm, [f.s_sum for f in fits if f.s_sum is not None], counts)
         for (name, f), (a_sum, rows), (s_sum, _) in zip(self._factors.items(), a_sums, s_sums,
                                                          strict=True):
             if rows == 0:
                 raise ValueError(f"layer {name!r} saw no data in the factor pass")
             f.a_sum, f.s_sum, f.rows = a_sum, s_sum, rows
-            f.qa = _basis(f.a_sum / f.rows).to(self.dtype)
-            f.qs = _basis(f.s_sum / f.rows).to(self.dtype)
+            f.qa = basis(f.a_sum / f.rows).to(self.dtype)
+            f.qs = basis(f.s_sum / f.rows).to(self.dtype)
 
     def _labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The batch's Fisher labels: its targets, or drawn from the model's outputs."""
         if self.fisher is Fisher.EMPIRICAL:
             return targets
-        with torch.no_grad(), self._evaluating():
+        with torch.no_grad(), evaluating(self.model):
             logits = self.model(inputs)
         probs = F.softmax(logits.reshape(-1, logits.shape[-1]).double(), dim=-1)
         drawn = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
@@ -304,7 +250,7 @@ class EKFACInfluence:
                                for name, g in grads.items()))
         local = (torch.cat(columns, dim=1) if columns  # type: ignore[arg-type]
                  else torch.zeros(len(next(iter(per_block.values()))), 0, dtype=self.dtype))
-        return self._gathered(local)
+        return gathered(self._comm, local)
 
     def self_scores(self, train: Iterable[Batch]) -> torch.Tensor:
         """``(n_train,)``: each training example's preconditioned gradient against itself."""
@@ -314,7 +260,7 @@ class EKFACInfluence:
             out.append(sum((self._precondition(name, g) * g).sum((1, 2))
                            for name, g in grads.items()))
         local = torch.cat(out) if out else torch.zeros(0, dtype=self.dtype)  # type: ignore[arg-type]
-        return self._gathered(local)
+        return gathered(self._comm, local)
 
     def block_damping(self, name: str) -> float:
         """The damping of block ``name``: absolute, or ``0.1 mean(Λ)``."""
@@ -343,44 +289,9 @@ class EKFACInfluence:
     def _gradients(self, inputs: torch.Tensor, targets: torch.Tensor,
                    loss: Measurement | None = None) -> dict[str, torch.Tensor]:
         """Per block, the examples' gradients ``(N, out, in [+1])`` of ``loss``."""
-        return {name: torch.einsum("nro,nri->noi", g, a)
-                for name, (a, g) in self._observe(inputs, targets, loss).items()}
-
-    def _observe(self, inputs: torch.Tensor, targets: torch.Tensor,
-                 loss: Measurement | None = None) -> dict[str, tuple[torch.Tensor, ...]]:
-        """Per block, ``(a, g)`` rows of one batch (the calls of a block side by side)."""
-        calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.blocks}
-        handles = []
-        for name, block in self.blocks.items():
-            def hook(module: nn.Module, args: Any, out: Any, name: str = name) -> None:
-                if isinstance(out, torch.Tensor) and out.requires_grad and args:
-                    calls[name].append((args[0].detach(), out))
-
-            handles.append(block.module.register_forward_hook(hook))
-        try:
-            with torch.enable_grad(), self._evaluating():
-                outputs = self.model(inputs)
-                value = (loss or self.loss)(outputs, targets)
-        finally:
-            for handle in handles:
-                handle.remove()
-        observed = [(n, x, out) for n, seen in calls.items() for x, out in seen]
-        grads = torch.autograd.grad(value, [out for _, _, out in observed], allow_unused=True)
-        rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.blocks}
-        for (name, x, out), d in zip(observed, grads, strict=True):
-            rows[name].append(_rows(self.blocks[name], x,
-                                    torch.zeros_like(out) if d is None else d, self.dtype))
-        return {name: (torch.cat([a for a, _ in r], dim=1), torch.cat([g for _, g in r], dim=1))
-                for name, r in rows.items() if r}
-
-    @contextmanager
-    def _evaluating(self) -> Iterator[None]:
-        was = self.model.training
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train(was)
+        rows = observe(self.model, self.blocks, inputs,
+                       partial(_flipped, loss or self.loss, targets), self.dtype)
+        return {name: torch.einsum("nro,nri->noi", g, a) for name, (a, g) in rows.items()}
 
     # ------------------------------------------------------------------ saving
     def state_dict(self) -> dict[str, Any]:
@@ -423,24 +334,6 @@ class EKFACInfluence:
         self.load_state_dict(state)
 
 
-def running_factors(product: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{block name: (A, G)}`` of a product's dense running factors (one group).
-
-    ``product`` is a ``KFACPreconditioner``, ``kaisa.KFAC``, ``kaisa.EKFAC`` or
-    ``kaisa.KFACMuon`` (anything with ``curvature.blocks``) of the same model.
-    """
-    out = {}
-    for name, block in product.curvature.blocks.items():
-        a, g = block.a, block.g
-        if a is not None and g is not None and a.dim() == 3 and g.dim() == 3 and (
-                a.shape[0] == g.shape[0] == 1):
-            out[name] = (a[0], g[0])
-    return out
-
-
-def _basis(factor: torch.Tensor) -> torch.Tensor:
-    """The eigenvectors of the symmetrised ``factor``, in float64 (ascending)."""
-    f = factor.double()
-    basis: torch.Tensor = torch.linalg.eigh((f + f.T) / 2).eigenvectors
-    return basis
-
+def _flipped(loss: Measurement, targets: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """``loss(outputs, targets)``, ``targets`` bound first (for :func:`functools.partial`)."""
+    return loss(outputs, targets)

@@ -18,8 +18,7 @@ pytestmark = pytest.mark.distributed
 
 
 def _scores(rank: int | None, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    torch.set_default_dtype(torch.float64)
-    model, train, query = _digits()
+    model, train, query = _digits()  # float64
     x, y = train.tensors
     if rank is not None:
         shard = len(x) // world

@@ -1,0 +1,116 @@
+"""What influence reads of a block: its rows ``(a, g)``, observed at its module's calls.
+
+``a`` is a row of the block's input (a column of ones appended last when the block has a
+bias; ``unfold`` patches for a convolution) and ``g`` the gradient of the loss with respect
+to the block's output at that row, both per example: ``(N, rows, in [+1])`` and
+``(N, rows, out)`` (``docs/conventions.md``, "Influence").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kaisa.blocks import Conv2dBlock, CurvatureBlock, LinearBlock
+from kaisa.blocks.conv2d import Conv1dBlock
+
+__all__ = ["basis", "evaluating", "example_rows", "observe", "running_factors", "scored"]
+
+
+def scored(block: CurvatureBlock) -> bool:
+    """Blocks observed at their module's own calls, of a kind with rows here."""
+    if any(site.weight is not None or site.module is not block.module
+           for site in block.call_sites()):
+        return False  # functional call sites (attention, experts), or several modules
+    if isinstance(block, Conv2dBlock):
+        return not isinstance(block, Conv1dBlock) and block.groups == 1
+    return isinstance(block, LinearBlock) and (
+        type(block).gradient_matrix is CurvatureBlock.gradient_matrix or block.transposed)
+
+
+def example_rows(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, g)`` as ``(N, rows, in [+1])`` and ``(N, rows, out)``: each example's rows."""
+    n = x.shape[0]
+    if isinstance(block, Conv2dBlock):
+        conv = block.module
+        assert isinstance(conv, nn.Conv2d)
+        a = F.unfold(x.to(dtype), conv.kernel_size, dilation=conv.dilation,
+                     padding=conv.padding, stride=conv.stride).transpose(1, 2)  # type: ignore[arg-type]
+        g = d.to(dtype).reshape(n, d.shape[1], -1).transpose(1, 2)
+    else:
+        a = x.to(dtype).reshape(n, -1, x.shape[-1])
+        g = d.to(dtype).reshape(n, -1, d.shape[-1])
+    if block.has_bias:
+        a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+    return a, g
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in evaluation mode for the block (its mode restored after)."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def observe(model: nn.Module, blocks: Mapping[str, CurvatureBlock], inputs: torch.Tensor,
+            value: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+            ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per block, the ``(a, g)`` rows of one batch under ``value(outputs)``.
+
+    The calls of a block side by side, in evaluation mode; the parameters' ``.grad`` are not
+    touched.
+    """
+    calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in blocks}
+    handles = []
+    for name, block in blocks.items():
+        def hook(module: nn.Module, args: Any, out: Any, name: str = name) -> None:
+            if isinstance(out, torch.Tensor) and out.requires_grad and args:
+                calls[name].append((args[0].detach(), out))
+
+        handles.append(block.module.register_forward_hook(hook))
+    try:
+        with torch.enable_grad(), evaluating(model):
+            loss = value(model(inputs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    seen = [(n, x, out) for n, observed in calls.items() for x, out in observed]
+    grads = torch.autograd.grad(loss, [out for _, _, out in seen], allow_unused=True)
+    rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in blocks}
+    for (name, x, out), d in zip(seen, grads, strict=True):
+        rows[name].append(example_rows(blocks[name], x,
+                                       torch.zeros_like(out) if d is None else d, dtype))
+    return {name: (torch.cat([a for a, _ in r], dim=1), torch.cat([g for _, g in r], dim=1))
+            for name, r in rows.items() if r}
+
+
+def running_factors(product: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{block name: (A, G)}`` of a product's dense running factors (one group).
+
+    ``product`` is a ``KFACPreconditioner``, ``kaisa.KFAC``, ``kaisa.EKFAC`` or
+    ``kaisa.KFACMuon`` (anything with ``curvature.blocks``) of the same model.
+    """
+    out = {}
+    for name, block in product.curvature.blocks.items():
+        a, g = block.a, block.g
+        if a is not None and g is not None and a.dim() == 3 and g.dim() == 3 and (
+                a.shape[0] == g.shape[0] == 1):
+            out[name] = (a[0], g[0])
+    return out
+
+
+def basis(factor: torch.Tensor) -> torch.Tensor:
+    """The eigenvectors of the symmetrised ``factor``, in float64 (ascending)."""
+    f = factor.double()
+    vectors: torch.Tensor = torch.linalg.eigh((f + f.T) / 2).eigenvectors
+    return vectors
