@@ -231,7 +231,7 @@ class EKFACInfluence:
     # ------------------------------------------------------------------ scores
     def pairwise_scores(self, queries: Iterable[Batch], train: Iterable[Batch], *,
                         measurement: Measurement | None = None) -> torch.Tensor:
-        """``(n_query, n_train)`` scores, summed over blocks.
+        """``(n_query, n_train)`` scores, summed over blocks (:meth:`block_pairwise_scores`).
 
         Each query's preconditioned gradient against each training example's gradient
         (of its loss with its true label).
@@ -242,25 +242,38 @@ class EKFACInfluence:
             measurement: ``(outputs, targets) -> summed scalar`` of the queries; their
                 summed loss by default.
         """
+        parts = self.block_pairwise_scores(queries, train, measurement=measurement)
+        return torch.stack(list(parts.values())).sum(0)
+
+    def block_pairwise_scores(self, queries: Iterable[Batch], train: Iterable[Batch], *,
+                              measurement: Measurement | None = None
+                              ) -> dict[str, torch.Tensor]:
+        """:meth:`pairwise_scores` per block: ``{block name: (n_query, n_train)}``."""
         per_block = self._preconditioned_queries(queries, measurement or self.loss)
-        columns = []
+        columns: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         for inputs, targets in train:
-            grads = self._gradients(inputs, targets)
-            columns.append(sum(torch.einsum("qoi,toi->qt", per_block[name], g)
-                               for name, g in grads.items()))
-        local = (torch.cat(columns, dim=1) if columns  # type: ignore[arg-type]
-                 else torch.zeros(len(next(iter(per_block.values()))), 0, dtype=self.dtype))
-        return gathered(self._comm, local)
+            for name, g in self._gradients(inputs, targets).items():
+                columns[name].append(torch.einsum("qoi,toi->qt", per_block[name], g))
+        return {name: gathered(self._comm, torch.cat(parts, dim=1) if parts else
+                               per_block[name].new_zeros(len(per_block[name]), 0))
+                for name, parts in columns.items()}
 
     def self_scores(self, train: Iterable[Batch]) -> torch.Tensor:
-        """``(n_train,)``: each training example's preconditioned gradient against itself."""
-        out = []
+        """``(n_train,)``: each example's preconditioned gradient against itself.
+
+        Summed over blocks (:meth:`block_self_scores`).
+        """
+        return torch.stack(list(self.block_self_scores(train).values())).sum(0)
+
+    def block_self_scores(self, train: Iterable[Batch]) -> dict[str, torch.Tensor]:
+        """:meth:`self_scores` per block: ``{block name: (n_train,)}``."""
+        out: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         for inputs, targets in train:
-            grads = self._gradients(inputs, targets)
-            out.append(sum((self._precondition(name, g) * g).sum((1, 2))
-                           for name, g in grads.items()))
-        local = torch.cat(out) if out else torch.zeros(0, dtype=self.dtype)  # type: ignore[arg-type]
-        return gathered(self._comm, local)
+            for name, g in self._gradients(inputs, targets).items():
+                out[name].append((self._precondition(name, g) * g).sum((1, 2)))
+        return {name: gathered(self._comm, torch.cat(parts) if parts else
+                               torch.zeros(0, dtype=self.dtype))
+                for name, parts in out.items()}
 
     def block_damping(self, name: str) -> float:
         """The damping of block ``name``: absolute, or ``0.1 mean(Λ)``."""

@@ -198,3 +198,14 @@ def test_seeding_from_a_training_run_and_its_refusals() -> None:
         EKFACInfluence(model).fit(lambda: iter(_batches(train, 50)),
                                   factors={"0": (torch.eye(64), torch.eye(32)),
                                            **running_factors(muon)})
+
+
+def test_per_block_scores_sum_to_the_totals() -> None:
+    model, train, query = _digits()
+    influence = _fit(model, train, train.tensors[1], 50, 1e-3)
+    parts = influence.block_pairwise_scores(_batches(query, 20), _batches(train, 50))
+    assert set(parts) == {"0", "2"} and all(p.shape == (20, 200) for p in parts.values())
+    total = influence.pairwise_scores(_batches(query, 20), _batches(train, 50))
+    assert _rel(parts["0"] + parts["2"], total) < 1e-14
+    selves = influence.block_self_scores(_batches(train, 50))
+    assert _rel(selves["0"] + selves["2"], influence.self_scores(_batches(train, 50))) < 1e-14
