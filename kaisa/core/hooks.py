@@ -221,16 +221,19 @@ class StatisticsRecorder:
         tensors are wrapped for the transform's levels, and statistics of a
         per-sample or functional evaluation are not the training step's.
         """
+        if not (module.training and torch.is_grad_enabled()
+                and (torch.compiler.is_compiling() or not _in_functorch_transform())):
+            return False  # an evaluation or no-grad forward reads no plan either
         if self.pending is not None:
             self.resolve()
-        return (module.training and torch.is_grad_enabled() and self.recording
-                and (torch.compiler.is_compiling() or not _in_functorch_transform()))
+        return self.recording
 
     def resolve(self) -> None:
-        """Calls :attr:`pending` (once): the coming step's recording switch is set."""
-        pending, self.pending = self.pending, None
+        """Calls :attr:`pending` (once it returns): the coming step's recording switch."""
+        pending = self.pending
         if pending is not None:
             pending()
+            self.pending = None
 
     def _forward_hook(
         self, layer: CurvatureBlock, site: int

@@ -38,7 +38,10 @@ class RecordingControl:
     # ------------------------------------------------------------------ recording
     @property
     def recording(self) -> bool:
-        """Whether forward passes record statistics (the product arms it per step)."""
+        """Whether forward passes record statistics (the product arms it per step).
+
+        Reading it reads the coming step's plan (:meth:`arm_when_used`): asked, it is due.
+        """
         self._recorder.resolve()
         return self._recorder.recording
 

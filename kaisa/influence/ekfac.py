@@ -41,6 +41,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``(outputs, targets) -> summed scalar`` (a query's measurement).
 Measurement = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: Targets equal to this are padding: no loss, and no Fisher label is drawn for them.
+IGNORE_INDEX = -100
 #: The heuristic damping's scale of ``mean(Λ)`` (Kronfluence's).
 HEURISTIC_DAMPING = 0.1
 
@@ -116,6 +118,7 @@ class EKFACInfluence:
         world = tuple(range(probe.world_size))
         self._comm = make_communicator(groups=[world] if len(world) > 1 else ())
         self.generator = torch.Generator().manual_seed(seed + self._comm.rank)
+        self._device = next(model.parameters()).device
         blocks = register_blocks(model, kinds=layer_kinds)
         self.blocks = {name: b for name, b in blocks.items() if scored(b)}
         if not self.blocks:
@@ -165,7 +168,8 @@ class EKFACInfluence:
         for name, f in self._factors.items():
             if f.lam_sum is None:
                 a_dim, g_dim = self.blocks[name].dims
-                f.lam_sum = torch.zeros(g_dim, a_dim, dtype=self.dtype)  # no data on this rank
+                f.lam_sum = torch.zeros(g_dim, a_dim, dtype=self.dtype,  # no data on this rank
+                                        device=self._device)
         fits = list(self._factors.values())
         sums = summed(self._comm, [f.lam_sum for f in fits if f.lam_sum is not None],
                       [f.examples for f in fits])
@@ -204,8 +208,8 @@ class EKFACInfluence:
         for name, f in self._factors.items():
             if f.a_sum is None or f.s_sum is None:  # no data on this rank: zeros to sum
                 a_dim, g_dim = self.blocks[name].dims
-                f.a_sum = torch.zeros(a_dim, a_dim, dtype=self.dtype)
-                f.s_sum = torch.zeros(g_dim, g_dim, dtype=self.dtype)
+                f.a_sum = torch.zeros(a_dim, a_dim, dtype=self.dtype, device=self._device)
+                f.s_sum = torch.zeros(g_dim, g_dim, dtype=self.dtype, device=self._device)
         fits = list(self._factors.values())
         counts = [f.rows for f in fits]
         a_sums = summed(self._comm, [f.a_sum for f in fits if f.a_sum is not None], counts)
@@ -224,9 +228,10 @@ class EKFACInfluence:
             return targets
         with torch.no_grad(), evaluating(self.model):
             logits = self.model(inputs)
-        probs = F.softmax(logits.reshape(-1, logits.shape[-1]).double(), dim=-1)
-        drawn = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
-        return drawn.reshape(targets.shape)
+        probs = F.softmax(logits.reshape(-1, logits.shape[-1]).double(), dim=-1).cpu()
+        drawn = torch.multinomial(probs, 1, generator=self.generator)[:, 0]  # a CPU generator
+        drawn = drawn.to(targets.device).reshape(targets.shape)
+        return torch.where(targets == IGNORE_INDEX, targets, drawn)  # padding stays ignored
 
     # ------------------------------------------------------------------ scores
     def pairwise_scores(self, queries: Iterable[Batch], train: Iterable[Batch], *,
@@ -272,7 +277,7 @@ class EKFACInfluence:
             for name, g in self._gradients(inputs, targets).items():
                 out[name].append((self._precondition(name, g) * g).sum((1, 2)))
         return {name: gathered(self._comm, torch.cat(parts) if parts else
-                               torch.zeros(0, dtype=self.dtype))
+                               torch.zeros(0, dtype=self.dtype, device=self._device))
                 for name, parts in out.items()}
 
     def block_damping(self, name: str) -> float:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from kaisa.blocks import Conv2dBlock, CurvatureBlock, LinearBlock
 from kaisa.blocks.conv2d import Conv1dBlock
@@ -28,7 +29,9 @@ def scored(block: CurvatureBlock) -> bool:
            for site in block.call_sites()):
         return False  # functional call sites (attention, experts), or several modules
     if isinstance(block, Conv2dBlock):
-        return not isinstance(block, Conv1dBlock) and block.groups == 1
+        conv = block.module
+        return (not isinstance(block, Conv1dBlock) and block.groups == 1
+                and not isinstance(getattr(conv, "padding", 0), str))  # 'same', 'valid': later
     return isinstance(block, LinearBlock) and (
         type(block).gradient_matrix is CurvatureBlock.gradient_matrix or block.transposed)
 
@@ -53,13 +56,14 @@ def example_rows(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor,
 
 @contextmanager
 def evaluating(model: nn.Module) -> Iterator[None]:
-    """``model`` in evaluation mode for the block (its mode restored after)."""
-    was = model.training
+    """``model`` in evaluation mode for the block (every module's own mode restored)."""
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         yield
     finally:
-        model.train(was)
+        for module, training in modes:
+            module.training = training
 
 
 def observe(model: nn.Module, blocks: Mapping[str, CurvatureBlock], inputs: torch.Tensor,
@@ -70,12 +74,19 @@ def observe(model: nn.Module, blocks: Mapping[str, CurvatureBlock], inputs: torc
     The calls of a block side by side, in evaluation mode; the parameters' ``.grad`` are not
     touched.
     """
-    calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in blocks}
+    calls: dict[str, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {n: [] for n in blocks}
     handles = []
     for name, block in blocks.items():
         def hook(module: nn.Module, args: Any, out: Any, name: str = name) -> None:
             if isinstance(out, torch.Tensor) and out.requires_grad and args:
-                calls[name].append((args[0].detach(), out))
+                if args[0].shape[0] != inputs.shape[0]:
+                    raise ValueError(
+                        f"influence: layer {name!r} is called on {args[0].shape[0]} rows, the "
+                        f"batch has {inputs.shape[0]} examples (dimension 0 of every layer's "
+                        "input must be the examples)")
+                # the output's gradient edge: the gradient where the layer made it, even if
+                # the model then changes the output in place
+                calls[name].append((args[0].detach(), out, get_gradient_edge(out)))
 
         handles.append(block.module.register_forward_hook(hook))
     try:
@@ -84,10 +95,10 @@ def observe(model: nn.Module, blocks: Mapping[str, CurvatureBlock], inputs: torc
     finally:
         for handle in handles:
             handle.remove()
-    seen = [(n, x, out) for n, observed in calls.items() for x, out in observed]
-    grads = torch.autograd.grad(loss, [out for _, _, out in seen], allow_unused=True)
+    seen = [(n, x, out, edge) for n, observed in calls.items() for x, out, edge in observed]
+    grads = torch.autograd.grad(loss, [edge for *_, edge in seen], allow_unused=True)
     rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in blocks}
-    for (name, x, out), d in zip(seen, grads, strict=True):
+    for (name, x, out, _), d in zip(seen, grads, strict=True):
         rows[name].append(example_rows(blocks[name], x,
                                        torch.zeros_like(out) if d is None else d, dtype))
     return {name: (torch.cat([a for a, _ in r], dim=1), torch.cat([g for _, g in r], dim=1))

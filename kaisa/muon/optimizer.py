@@ -303,15 +303,15 @@ class KFACMuon(CurvatureOptimizer):
         blocks = [b for b in self.curvature.blocks.values() if b.weight.grad is not None]
         counts: dict[str, float] = {}
         if self.mode is MuonCurvature.EIGEN and blocks:
-            tensors = []
+            steps: dict[int, torch.Tensor] = {}  # once per weight (experts share one)
             for b in blocks:
                 state = self.state[b.weight]
                 if "step" not in state:
                     state["step"] = step_count()
-                tensors.append(state["step"])
-            torch._foreach_add_(tensors, 1)
-            counts = dict(zip((b.name for b in blocks), torch.stack(tensors).tolist(),
-                              strict=True))
+                steps.setdefault(id(b.weight), state["step"])
+            torch._foreach_add_(list(steps.values()), 1)
+            values = dict(zip(steps, torch.stack(list(steps.values())).tolist(), strict=True))
+            counts = {b.name: values[id(b.weight)] for b in blocks}
 
         def group(name: str) -> dict[str, Any]:
             return group_of[id(self.curvature.blocks[name].weight)]

@@ -181,3 +181,17 @@ def test_experts_are_first_order_with_several_ranks_and_nothing_hangs() -> None:
     for coverage in run_distributed(_rank_coverage, 2, timeout=120):
         assert coverage["gate.weight"] == "linear"
         assert coverage["experts.gate_up_proj"] == coverage["experts.down_proj"] == "first-order"
+
+
+def test_kfac_muon_counts_an_expert_parameters_steps_once() -> None:
+    """KFACMuon's eigen mode: the experts of one 3-D parameter share its Adam step count,
+    which advances once a step (not once per expert)."""
+    hf = _hf_moe("eager")
+    opt = kaisa.KFACMuon(hf, lr=0.02, curvature="eigen", ns_dtype=torch.float64)
+    for step in range(3):
+        h, r = _inputs(step, torch.float64)
+        opt.zero_grad()
+        (hf(h) * r).sum().backward()
+        opt.step()
+    assert float(opt.state[hf.experts.gate_up_proj]["step"]) == 3.0
+    assert float(opt.state[hf.gate.weight]["step"]) == 3.0

@@ -78,3 +78,21 @@ def test_a_step_whose_forward_ran_elsewhere_still_reads_its_own_value() -> None:
         model.train()
     _step(model, pre, 1)
     assert set(seen) == {0, 1}
+
+
+def test_an_evaluation_forward_after_the_last_step_reads_no_plan() -> None:
+    """Evaluating the model after training (eval mode, or no_grad) reads nothing of the
+    step that never runs; a failing plan stays pending and raises again when it is due."""
+    model, seen = _model(), []
+    pre = kaisa.KFACPreconditioner(model, factor_decay=_decay(seen))
+    for step in range(3):
+        _step(model, pre, step)
+    model.eval()
+    model(_batch(9)[0])
+    model.train()
+    with torch.no_grad():
+        model(_batch(9)[0])
+    assert set(seen) == {0, 1, 2}
+    for _ in range(2):  # the plan raises at the training forward, and again
+        with pytest.raises(ValueError, match="factor_decay must be in"):
+            _step(model, pre, 3)

@@ -209,3 +209,48 @@ def test_per_block_scores_sum_to_the_totals() -> None:
     assert _rel(parts["0"] + parts["2"], total) < 1e-14
     selves = influence.block_self_scores(_batches(train, 50))
     assert _rel(selves["0"] + selves["2"], influence.self_scores(_batches(train, 50))) < 1e-14
+
+
+def test_what_models_do_to_their_layers_is_handled_or_refused() -> None:
+    """An output changed in place (``ReLU(inplace=True)``) is read where the layer made it;
+    an input that is not one row per example is refused in one line; a convolution with
+    string padding is not scored (first-order); each module's own mode comes back after a
+    fit (a frozen BatchNorm stays in eval mode); padding targets draw no Fisher label."""
+    _, train, query = _digits()
+
+    def mlp(inplace: bool) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 16), nn.ReLU(inplace=inplace),
+                             nn.Linear(16, 10)).double()
+
+    scores = []
+    for inplace in (False, True):
+        influence = EKFACInfluence(mlp(inplace), fisher="empirical", dtype=F64)
+        influence.fit(lambda: iter(_batches(train, 50)))
+        scores.append(influence.self_scores(_batches(train, 50)))
+    assert torch.equal(scores[0], scores[1])
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x.reshape(-1, 8)).reshape(x.shape[0], 8, 10).sum(1)
+
+    flat = EKFACInfluence(Flat().double(), fisher="empirical", dtype=F64)
+    with pytest.raises(ValueError, match=r"layer 'a' is called on 400 rows, the batch has 50"):
+        flat.fit(lambda: iter(_batches(train, 50)))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 2, 3, padding="same"),
+                        nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(128, 10)).double()
+    net[2].eval()  # frozen statistics
+    influence = EKFACInfluence(net, fisher="empirical", dtype=F64)
+    assert influence.coverage()["1.weight"] == "first-order"
+    influence.fit(lambda: iter(_batches(train, 50)))
+    assert net.training and not net[2].training
+
+    drawn = EKFACInfluence(mlp(False), seed=0)._labels(
+        query.tensors[0], torch.tensor([-100] * 10 + list(range(10))))
+    assert (drawn[:10] == -100).all() and bool(((drawn[10:] >= 0) & (drawn[10:] < 10)).all())
