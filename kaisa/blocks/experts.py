@@ -26,7 +26,6 @@ from torch import nn
 from kaisa.blocks.base import CurvatureBlock
 from kaisa.blocks.callsites import CallSite
 from kaisa.blocks.linear import LinearBlock
-from kaisa.blocks.rows import sampling
 from kaisa.blocks.state import BlockOptions
 from kaisa.utils.enums import KFACApprox
 from kaisa.utils.shards import is_sharded
@@ -100,11 +99,7 @@ class ExpertBlock(LinearBlock):
                 made[block_name] = cls(name=block_name, module=module, weight=weight,
                                        index=index, factor_dtype=options.factor_dtype,
                                        kfac_approx=options.kfac_approx)
-        made = sampling(made, options)
-        for block in made.values():
-            if isinstance(block, LinearBlock):
-                block.limit_dense(options.max_dense_dim)
-        return made
+        return cls.configured(made, options)
 
     def call_sites(self) -> tuple[CallSite, ...]:
         """The ``F.linear`` calls of the module's forward that multiply by its matrix."""

@@ -49,7 +49,13 @@ class LinearBlock(RowSampling):
         cls, name: str, module: nn.Module, options: BlockOptions
     ) -> dict[str, CurvatureBlock]:
         """One block named ``name``, subsampling with ``options.factor_rows``."""
-        made = sampling(super().build(name, module, options), options)
+        return cls.configured(super().build(name, module, options), options)
+
+    @staticmethod
+    def configured(made: dict[str, CurvatureBlock], options: BlockOptions
+                   ) -> dict[str, CurvatureBlock]:
+        """``made`` subsampling with ``options.factor_rows``, dense up to ``max_dense_dim``."""
+        made = sampling(made, options)
         for block in made.values():
             if isinstance(block, LinearBlock):
                 block.limit_dense(options.max_dense_dim)

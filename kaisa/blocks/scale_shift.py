@@ -92,11 +92,10 @@ class ScaleShiftBlock(CurvatureBlock):
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         """``xhat`` as rows ``(M, E)`` in the factor dtype (training-mode statistics)."""
         module, x = self.module, x.to(self.dtype_for(x))
-        if isinstance(module, _BATCH_NORMS):
-            rows = x.movedim(1, -1).reshape(-1, x.shape[1])
+        rows = self._rows(x)
+        if isinstance(module, _BATCH_NORMS):  # per channel, over the batch and positions
             mean, var = rows.mean(0), rows.var(0, unbiased=False)
             return (rows - mean) * torch.rsqrt(var + module.eps)
-        rows = self._rows(x)
         eps = self._eps if self._eps is not None else torch.finfo(x.dtype).eps
         if self._rms:
             return rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -114,9 +115,8 @@ class EKFACInfluence:
         self.damping = damping
         self.dtype = dtype
         self.loss = loss
-        probe = make_communicator()
-        world = tuple(range(probe.world_size))
-        self._comm = make_communicator(groups=[world] if len(world) > 1 else ())
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._comm = make_communicator(groups=[tuple(range(world))] if world > 1 else ())
         self.generator = torch.Generator().manual_seed(seed + self._comm.rank)
         self._device = next(model.parameters()).device
         blocks = register_blocks(model, kinds=layer_kinds)
