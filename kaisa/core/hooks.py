@@ -221,12 +221,14 @@ class StatisticsRecorder:
         tensors are wrapped for the transform's levels, and statistics of a
         per-sample or functional evaluation are not the training step's.
         """
-        if not (module.training and torch.is_grad_enabled()
-                and (torch.compiler.is_compiling() or not _in_functorch_transform())):
+        if not (module.training and torch.is_grad_enabled()):
             return False  # an evaluation or no-grad forward reads no plan either
         if self.pending is not None:
+            if not (torch.compiler.is_compiling() or not _in_functorch_transform()):
+                return False  # nor does a transform's
             self.resolve()
-        return self.recording
+        return self.recording and (torch.compiler.is_compiling()
+                                   or not _in_functorch_transform())
 
     def resolve(self) -> None:
         """Calls :attr:`pending` (once it returns): the coming step's recording switch."""
