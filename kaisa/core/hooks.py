@@ -138,6 +138,9 @@ class StatisticsRecorder:
         #: Whether recorded forward passes hook their outputs' gradients (``False``: only
         #: the inputs' A factors are recorded, one-sided; no hook runs in the backward pass).
         self.output_gradients = True
+        #: Observe modules in evaluation mode too (influence's passes: statistics of the
+        #: model as it predicts, without dropout); ``False``: training mode only.
+        self.any_mode = False
         #: Keep where the hooked outputs of recorded forward passes enter the graph, in
         #: :attr:`kept_outputs` (until :meth:`end_step`; edges, not the tensors): G's
         #: backward passes need only their gradients (:func:`kaisa.kfac.fisher.record_g`).
@@ -221,7 +224,7 @@ class StatisticsRecorder:
         tensors are wrapped for the transform's levels, and statistics of a
         per-sample or functional evaluation are not the training step's.
         """
-        if not (module.training and torch.is_grad_enabled()):
+        if not ((module.training or self.any_mode) and torch.is_grad_enabled()):
             return False  # an evaluation or no-grad forward reads no plan either
         if self.pending is not None:
             if not (torch.compiler.is_compiling() or not _in_functorch_transform()):

@@ -4,10 +4,12 @@
 ``A`` and ``S`` (the factor pass, with the Fisher's labels), their eigenbases, and the
 corrected eigenvalues ``Λ`` from per-example gradients (a second pass with fresh labels),
 then computes pairwise scores (queries x training examples) and self-influence scores.
-The blocks are kaisa's (:func:`kaisa.blocks.register_blocks`): ``nn.Linear``, Hugging
-Face's transposed ``Conv1D`` and ``nn.Conv2d`` (one group) here; a block observed through
-functional calls (attention, experts) or of another kind is not scored yet and is
-reported ``"first-order"`` by :meth:`EKFACInfluence.coverage`.
+The blocks are kaisa's (:func:`kaisa.blocks.register_blocks`), every kind: the anchor's
+(``nn.Linear``, Hugging Face's transposed ``Conv1D``, ``nn.Conv2d``) from their rows
+(:mod:`kaisa.influence.rows`), the others (attention, embeddings, a tied embedding and
+head, convolutions of other shapes) from the core's statistics
+(:mod:`kaisa.influence.recorded`), diagonal kinds (norms) with identity bases; every
+kind's per-example gradients come from :mod:`kaisa.influence.gradients`.
 
 Under ``torch.distributed`` each rank passes its own contiguous shard of the training set
 (rank 0 the first): the sums and counts of both passes are summed over the ranks (every
@@ -29,11 +31,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kaisa.blocks import register_blocks
+from kaisa.blocks import CurvatureBlock, register_blocks
 from kaisa.core.coverage import FIRST_ORDER
 from kaisa.distributed.torch_comm import make_communicator
+from kaisa.influence.gradients import example_gradients
 from kaisa.influence.ranks import gathered, summed
-from kaisa.influence.rows import basis, evaluating, observe, scored
+from kaisa.influence.recorded import CoreStatistics
+from kaisa.influence.rows import basis, evaluating, observe, row_kind
+from kaisa.utils.enums import Side
 
 __all__ = ["EKFACInfluence", "Fisher"]
 
@@ -65,7 +70,12 @@ def summed_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.
 
 @dataclass
 class _Factors:
-    """One block's sums and counts, then its bases and ``Λ``."""
+    """One block's sums and counts, then its bases and ``Λ``.
+
+    Every tensor has the block's groups first: sums and bases ``(groups, n, n)``, ``Λ``
+    the gradient matrix's ``(groups, rows, columns)``. A side without a basis (a diagonal
+    side, both sides of a diagonal kind) keeps ``None``: the identity.
+    """
 
     a_sum: torch.Tensor | None = None
     s_sum: torch.Tensor | None = None
@@ -74,10 +84,38 @@ class _Factors:
     examples: int = 0
     qa: torch.Tensor | None = None
     qs: torch.Tensor | None = None
+    based: bool = False
 
     def lam(self) -> torch.Tensor:
         assert self.lam_sum is not None and self.examples > 0
         return self.lam_sum / self.examples
+
+    def rotate(self, grads: torch.Tensor) -> torch.Tensor:
+        """``QS^T G QA`` of matrices ``G`` (``(..., groups, rows, columns)``)."""
+        if self.qs is not None:
+            grads = self.qs.mT @ grads
+        return grads if self.qa is None else grads @ self.qa
+
+    def rotate_back(self, rotated: torch.Tensor) -> torch.Tensor:
+        """``QS R QA^T``: the inverse of :meth:`rotate`."""
+        if self.qs is not None:
+            rotated = self.qs @ rotated
+        return rotated if self.qa is None else rotated @ self.qa.mT
+
+
+def dense_sides(block: CurvatureBlock) -> tuple[bool, bool]:
+    """Whether the block's A and G sides have a basis to fit (dense Kronecker factors)."""
+    if block.diagonal:
+        return False, False
+    return not block.is_diagonal(Side.A), not block.is_diagonal(Side.G)
+
+
+def matrix_shape(block: CurvatureBlock) -> tuple[int, ...]:
+    """The shape of the block's gradient matrix ``(groups, rows, columns)``."""
+    zeros = [torch.zeros(p.shape, device="meta") for p in block.parameters()]
+    matrix = block.gradient_matrix(zeros)
+    assert matrix is not None
+    return tuple(matrix.shape)
 
 
 class EKFACInfluence:
@@ -92,7 +130,8 @@ class EKFACInfluence:
             ``0.1 mean(Λ)`` per block.
         seed: Seed of the generator the true Fisher's labels are drawn with.
         dtype: Dtype of the statistics and scores (eigendecompositions run in float64).
-        layer_kinds: Block kinds to track (``"linear"``, ``"conv2d"``).
+        layer_kinds: Block kinds to track (``"linear"``, ``"conv2d"``, ``"conv1d"``,
+            ``"attention"``, ``"embedding"``, ``"scale_shift"``), or ``"all"``.
         loss: ``(outputs, targets) -> summed loss`` of a batch; the summed cross-entropy
             by default (the true Fisher draws classification labels for it).
     """
@@ -105,7 +144,7 @@ class EKFACInfluence:
         damping: float | None = None,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
-        layer_kinds: tuple[str, ...] = ("linear", "conv2d"),
+        layer_kinds: str | tuple[str, ...] = "all",
         loss: Measurement = summed_cross_entropy,
     ) -> None:
         self.model = model
@@ -119,10 +158,11 @@ class EKFACInfluence:
         self._comm = make_communicator(groups=[tuple(range(world))] if world > 1 else ())
         self.generator = torch.Generator().manual_seed(seed + self._comm.rank)
         self._device = next(model.parameters()).device
-        blocks = register_blocks(model, kinds=layer_kinds)
-        self.blocks = {name: b for name, b in blocks.items() if scored(b)}
+        kinds = None if layer_kinds == "all" else (
+            (layer_kinds,) if isinstance(layer_kinds, str) else tuple(layer_kinds))
+        self.blocks = register_blocks(model, kinds=kinds, factor_dtype=dtype)
         if not self.blocks:
-            raise ValueError("model has no layer influence can track (nn.Linear, nn.Conv2d)")
+            raise ValueError(f"model has no layer influence can track (kinds {layer_kinds!r})")
         self._factors = {name: _Factors() for name in self.blocks}
         covered = {id(p): b.kind for b in self.blocks.values() for p in b.parameters()}
         self._coverage = {n: covered.get(id(p), FIRST_ORDER)
@@ -136,7 +176,7 @@ class EKFACInfluence:
     @property
     def fitted(self) -> bool:
         """Whether :meth:`fit` ran (or a fit was loaded)."""
-        return all(f.qa is not None and f.lam_sum is not None for f in self._factors.values())
+        return all(f.based and f.lam_sum is not None for f in self._factors.values())
 
     def fit(self, batches: Callable[[], Iterable[Batch]], *,
             factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
@@ -161,14 +201,12 @@ class EKFACInfluence:
             grads = self._gradients(inputs, self._labels(inputs, targets))
             for name, g in grads.items():
                 f = self._factors[name]
-                assert f.qa is not None and f.qs is not None
-                square = (f.qs.T @ g @ f.qa).square().sum(0)
+                square = f.rotate(g).square().sum(0)
                 f.lam_sum = square if f.lam_sum is None else f.lam_sum.add_(square)
                 f.examples += g.shape[0]
         for name, f in self._factors.items():
-            if f.lam_sum is None:
-                a_dim, g_dim = self.blocks[name].dims
-                f.lam_sum = torch.zeros(g_dim, a_dim, dtype=self.dtype,  # no data on this rank
+            if f.lam_sum is None:  # no data on this rank
+                f.lam_sum = torch.zeros(matrix_shape(self.blocks[name]), dtype=self.dtype,
                                         device=self._device)
         fits = list(self._factors.values())
         sums = summed(self._comm, [f.lam_sum for f in fits if f.lam_sum is not None],
@@ -180,47 +218,88 @@ class EKFACInfluence:
 
     def _seed(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The bases from a training run's running factors (checked first)."""
+        seeded = {}
         for name, block in self.blocks.items():
+            dense, dims = dense_sides(block), block.dims
             pair = factors.get(name)
-            dims = block.dims
-            if pair is None or tuple(pair[0].shape) != (dims[0],) * 2 or tuple(
-                    pair[1].shape) != (dims[1],) * 2:
+            if not any(dense):
+                seeded[name] = _Factors(based=True)
+                continue
+            want = [(block.groups, n, n) for n in dims]
+            if pair is None or any(
+                    d and tuple(t.reshape(-1, *t.shape[-2:]).shape if t.dim() >= 2 else
+                                t.shape) != w for d, t, w in zip(dense, pair, want, strict=True)):
                 raise ValueError(f"the running factors of layer {name!r} are not "
                                  f"{dims[0]}x{dims[0]} and {dims[1]}x{dims[1]} (another "
                                  "model, or blocks without a bias column?)")
-        self._factors = {name: _Factors(qa=basis(factors[name][0]).to(self.dtype),
-                                        qs=basis(factors[name][1]).to(self.dtype))
-                         for name in self.blocks}
+            qa, qs = (basis(t.reshape(w)).to(self.dtype) if d else None
+                      for d, t, w in zip(dense, pair, want, strict=True))
+            seeded[name] = _Factors(qa=qa, qs=qs, based=True)
+        self._factors = seeded
 
     def _covariances(self, batches: Iterable[Batch]) -> None:
-        """Steps 1 and 2: the factor pass and the bases."""
+        """Steps 1 and 2: the factor pass and the bases.
+
+        The anchor's kinds from their rows; the others from the core's batch factors
+        (:mod:`kaisa.influence.recorded`), in the same forward and backward pass.
+        """
         self._factors = {name: _Factors() for name in self.blocks}
-        for inputs, targets in batches:
-            observed = observe(self.model, self.blocks, inputs,
-                               partial(_flipped, self.loss, self._labels(inputs, targets)),
-                               self.dtype)
-            for name, (a, g) in observed.items():
-                f = self._factors[name]
-                a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-                f.a_sum = a2.T @ a2 if f.a_sum is None else f.a_sum.addmm_(a2.T, a2)
-                f.s_sum = g2.T @ g2 if f.s_sum is None else f.s_sum.addmm_(g2.T, g2)
-                f.rows += a2.shape[0]
+        rowed = {n: b for n, b in self.blocks.items() if row_kind(b)}
+        core = CoreStatistics({n: b for n, b in self.blocks.items()
+                               if not row_kind(b) and any(dense_sides(b))})
+        with core.recording():
+            for inputs, targets in batches:
+                labels = self._labels(inputs, targets)
+                observed = observe(self.model, rowed, inputs,
+                                   partial(_flipped, self.loss, labels), self.dtype,
+                                   also=core.parameters())
+                for name, (a, g) in observed.items():
+                    a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+                    self._add(name, (a2.T @ a2)[None], (g2.T @ g2)[None], a2.shape[0])
+                for name, (a_batch, g_batch) in core.take().items():
+                    n = inputs.shape[0]
+                    self._add(name, None if a_batch is None else a_batch * n,
+                              None if g_batch is None else g_batch * n, n)
+        self._sum_and_decompose()
+
+    def _add(self, name: str, a: torch.Tensor | None, s: torch.Tensor | None,
+             rows: int) -> None:
+        """Adds one batch's sums of a block (its dense sides) and their rows."""
+        f, (dense_a, dense_s) = self._factors[name], dense_sides(self.blocks[name])
+        if dense_a and a is not None:
+            f.a_sum = a.to(self.dtype) if f.a_sum is None else f.a_sum.add_(a)
+        if dense_s and s is not None:
+            f.s_sum = s.to(self.dtype) if f.s_sum is None else f.s_sum.add_(s)
+        f.rows += rows
+
+    def _sum_and_decompose(self) -> None:
+        """The sums over the ranks, then each block's bases (step 2)."""
+        sums: list[torch.Tensor] = []
+        counts: list[int] = []
         for name, f in self._factors.items():
-            if f.a_sum is None or f.s_sum is None:  # no data on this rank: zeros to sum
-                a_dim, g_dim = self.blocks[name].dims
-                f.a_sum = torch.zeros(a_dim, a_dim, dtype=self.dtype, device=self._device)
-                f.s_sum = torch.zeros(g_dim, g_dim, dtype=self.dtype, device=self._device)
-        fits = list(self._factors.values())
-        counts = [f.rows for f in fits]
-        a_sums = summed(self._comm, [f.a_sum for f in fits if f.a_sum is not None], counts)
-        s_sums = summed(self._comm, [f.s_sum for f in fits if f.s_sum is not None], counts)
-        for (name, f), (a_sum, rows), (s_sum, _) in zip(self._factors.items(), a_sums, s_sums,
-                                                         strict=True):
-            if rows == 0:
-                raise ValueError(f"layer {name!r} saw no data in the factor pass")
-            f.a_sum, f.s_sum, f.rows = a_sum, s_sum, rows
-            f.qa = basis(f.a_sum / f.rows).to(self.dtype)
-            f.qs = basis(f.s_sum / f.rows).to(self.dtype)
+            block = self.blocks[name]
+            for dense, n, attr in zip(dense_sides(block), block.dims, ("a_sum", "s_sum"),
+                                      strict=True):
+                if not dense:
+                    continue
+                if getattr(f, attr) is None:  # no data on this rank: zeros to sum
+                    setattr(f, attr, torch.zeros(block.groups, n, n, dtype=self.dtype,
+                                                 device=self._device))
+                sums.append(getattr(f, attr))
+                counts.append(f.rows)
+        totals = iter(summed(self._comm, sums, counts))
+        for name, f in self._factors.items():
+            dense_a, dense_s = dense_sides(self.blocks[name])
+            if dense_a:
+                f.a_sum, f.rows = next(totals)
+            if dense_s:
+                f.s_sum, f.rows = next(totals)
+            if (dense_a or dense_s) and f.rows == 0:
+                raise ValueError(f"layer {name!r} saw no data in the factor pass (is it "
+                                 "used by the model's forward?)")
+            f.qa = basis(f.a_sum / f.rows).to(self.dtype) if f.a_sum is not None else None
+            f.qs = basis(f.s_sum / f.rows).to(self.dtype) if f.s_sum is not None else None
+            f.based = True
 
     def _labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The batch's Fisher labels: its targets, or drawn from the model's outputs."""
@@ -258,7 +337,7 @@ class EKFACInfluence:
         columns: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         for inputs, targets in train:
             for name, g in self._gradients(inputs, targets).items():
-                columns[name].append(torch.einsum("qoi,toi->qt", per_block[name], g))
+                columns[name].append(per_block[name].flatten(1) @ g.flatten(1).T)
         return {name: gathered(self._comm, torch.cat(parts, dim=1) if parts else
                                per_block[name].new_zeros(len(per_block[name]), 0))
                 for name, parts in columns.items()}
@@ -275,7 +354,7 @@ class EKFACInfluence:
         out: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         for inputs, targets in train:
             for name, g in self._gradients(inputs, targets).items():
-                out[name].append((self._precondition(name, g) * g).sum((1, 2)))
+                out[name].append((self._precondition(name, g) * g).flatten(1).sum(1))
         return {name: gathered(self._comm, torch.cat(parts) if parts else
                                torch.zeros(0, dtype=self.dtype, device=self._device))
                 for name, parts in out.items()}
@@ -299,26 +378,28 @@ class EKFACInfluence:
         if not self.fitted:
             raise RuntimeError("EKFACInfluence: call fit() (or load a fit) before scoring")
         f = self._factors[name]
-        assert f.qa is not None and f.qs is not None
         inverse = 1.0 / (f.lam() + self.block_damping(name))
-        return f.qs @ ((f.qs.T @ grads @ f.qa) * inverse) @ f.qa.T
+        return f.rotate_back(f.rotate(grads) * inverse)
 
     # ------------------------------------------------------------------ observing
     def _gradients(self, inputs: torch.Tensor, targets: torch.Tensor,
                    loss: Measurement | None = None) -> dict[str, torch.Tensor]:
-        """Per block, the examples' gradients ``(N, out, in [+1])`` of ``loss``."""
-        rows = observe(self.model, self.blocks, inputs,
-                       partial(_flipped, loss or self.loss, targets), self.dtype)
-        return {name: torch.einsum("nro,nri->noi", g, a) for name, (a, g) in rows.items()}
+        """Per block, the examples' gradient matrices ``(N, groups, rows, columns)``."""
+        return example_gradients(self.model, self.blocks, inputs, targets, loss or self.loss,
+                                 self.dtype)
 
     # ------------------------------------------------------------------ saving
     def state_dict(self) -> dict[str, Any]:
-        """The fit: per block its bases, ``Λ``'s sum and count, and the rows counted."""
+        """The fit: per block its bases (absent: the identity), ``Λ``'s sum and counts."""
         if not self.fitted:
             raise RuntimeError("EKFACInfluence: nothing to save before fit()")
-        return {"fisher": self.fisher.value, "blocks": {
-            name: {"qa": f.qa, "qs": f.qs, "lam_sum": f.lam_sum, "examples": f.examples,
-                   "rows": f.rows} for name, f in self._factors.items()}}
+        blocks: dict[str, dict[str, Any]] = {}
+        for name, f in self._factors.items():
+            entry: dict[str, Any] = {"lam_sum": f.lam_sum, "examples": f.examples,
+                                     "rows": f.rows}
+            entry.update({key: t for key, t in (("qa", f.qa), ("qs", f.qs)) if t is not None})
+            blocks[name] = entry
+        return {"fisher": self.fisher.value, "blocks": blocks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`; a fit of another model is refused, nothing loaded."""
@@ -327,16 +408,22 @@ class EKFACInfluence:
             raise ValueError("not an EKFACInfluence fit of this model (its layers differ)")
         loaded = {}
         for name, entry in blocks.items():
-            a_dim, g_dim = self.blocks[name].dims
-            want = {"qa": (a_dim, a_dim), "qs": (g_dim, g_dim), "lam_sum": (g_dim, a_dim)}
+            block = self.blocks[name]
+            want: dict[str, tuple[int, ...] | None] = {"lam_sum": matrix_shape(block)}
+            for key, dense, n in zip(("qa", "qs"), dense_sides(block), block.dims, strict=True):
+                want[key] = (block.groups, n, n) if dense else None
             for key, shape in want.items():
-                t = entry.get(key)
+                t = entry.get(key) if isinstance(entry, dict) else None
+                if shape is None and t is None:
+                    continue
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                    raise ValueError(f"the fit's {key} of layer {name!r} is not {shape} "
-                                     "(a fit of another model?)")
-            loaded[name] = _Factors(qa=entry["qa"].to(self.dtype), qs=entry["qs"].to(self.dtype),
-                                    lam_sum=entry["lam_sum"].to(self.dtype),
-                                    examples=int(entry["examples"]), rows=int(entry["rows"]))
+                    raise ValueError(f"the fit's {key} of layer {name!r} is not "
+                                     f"{shape or 'absent'} (a fit of another model?)")
+            qa, qs = (None if entry.get(k) is None else entry[k].to(self.dtype, copy=True)
+                      for k in ("qa", "qs"))
+            loaded[name] = _Factors(qa=qa, qs=qs, lam_sum=entry["lam_sum"].to(self.dtype),
+                                    examples=int(entry["examples"]), rows=int(entry["rows"]),
+                                    based=True)
         self._factors = loaded
 
     def save(self, path: str | Path) -> None:

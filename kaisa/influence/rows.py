@@ -8,7 +8,7 @@ to the block's output at that row, both per example: ``(N, rows, in [+1])`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,11 +20,15 @@ from torch.autograd.graph import get_gradient_edge
 from kaisa.blocks import Conv2dBlock, CurvatureBlock, LinearBlock
 from kaisa.blocks.conv2d import Conv1dBlock
 
-__all__ = ["basis", "evaluating", "example_rows", "observe", "running_factors", "scored"]
+__all__ = ["basis", "evaluating", "example_rows", "observe", "row_kind", "running_factors"]
 
 
-def scored(block: CurvatureBlock) -> bool:
-    """Blocks observed at their module's own calls, of a kind with rows here."""
+def row_kind(block: CurvatureBlock) -> bool:
+    """The anchor's kinds, observed at their module's own calls: rows here.
+
+    ``nn.Linear`` (and HF's transposed ``Conv1D``) and a one-group ``nn.Conv2d`` with
+    numeric padding; their covariances are the conventions' ``(1/R) sum a a^T``.
+    """
     if any(site.weight is not None or site.module is not block.module
            for site in block.call_sites()):
         return False  # functional call sites (attention, experts), or several modules
@@ -68,11 +72,13 @@ def evaluating(model: nn.Module) -> Iterator[None]:
 
 def observe(model: nn.Module, blocks: Mapping[str, CurvatureBlock], inputs: torch.Tensor,
             value: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+            also: Sequence[torch.Tensor] = (),
             ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per block, the ``(a, g)`` rows of one batch under ``value(outputs)``.
 
     The calls of a block side by side, in evaluation mode; the parameters' ``.grad`` are not
-    touched.
+    touched. The backward pass also reaches ``also`` (parameters whose other hooks record
+    in the same pass).
     """
     calls: dict[str, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {n: [] for n in blocks}
     handles = []
@@ -96,7 +102,8 @@ def observe(model: nn.Module, blocks: Mapping[str, CurvatureBlock], inputs: torc
         for handle in handles:
             handle.remove()
     seen = [(n, x, out, edge) for n, observed in calls.items() for x, out, edge in observed]
-    grads = torch.autograd.grad(loss, [edge for *_, edge in seen], allow_unused=True)
+    wanted = [edge for *_, edge in seen] + list(also)
+    grads = torch.autograd.grad(loss, wanted, allow_unused=True)[:len(seen)]
     rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in blocks}
     for (name, x, out, _), d in zip(seen, grads, strict=True):
         rows[name].append(example_rows(blocks[name], x,
@@ -106,22 +113,24 @@ def observe(model: nn.Module, blocks: Mapping[str, CurvatureBlock], inputs: torc
 
 
 def running_factors(product: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{block name: (A, G)}`` of a product's dense running factors (one group).
+    """``{block name: (A, G)}``: a product's running factors, to seed a fit's bases.
 
     ``product`` is a ``KFACPreconditioner``, ``kaisa.KFAC``, ``kaisa.EKFAC`` or
-    ``kaisa.KFACMuon`` (anything with ``curvature.blocks``) of the same model.
+    ``kaisa.KFACMuon`` (anything with ``curvature.blocks``) of the same model. Each factor
+    as the block shows it (``a_factor``, ``g_factor``): ``(n, n)``, ``(groups, n, n)``
+    for grouped convolutions, a diagonal side as its diagonal (whose basis is the
+    identity's); blocks without both factors (diagonal kinds, none yet) are left out.
     """
     out = {}
     for name, block in product.curvature.blocks.items():
-        a, g = block.a, block.g
-        if a is not None and g is not None and a.dim() == 3 and g.dim() == 3 and (
-                a.shape[0] == g.shape[0] == 1):
-            out[name] = (a[0], g[0])
+        a, g = block.a_factor, block.g_factor
+        if a is not None and g is not None and not block.diagonal:
+            out[name] = (a, g)
     return out
 
 
 def basis(factor: torch.Tensor) -> torch.Tensor:
-    """The eigenvectors of the symmetrised ``factor``, in float64 (ascending)."""
+    """The eigenvectors of the symmetrised ``factor`` (or a stack), float64, ascending."""
     f = factor.double()
-    vectors: torch.Tensor = torch.linalg.eigh((f + f.T) / 2).eigenvectors
+    vectors: torch.Tensor = torch.linalg.eigh((f + f.mT) / 2).eigenvectors
     return vectors

@@ -55,7 +55,7 @@ def test_scores_equal_the_conventions_float64(fixed: bool, damping: float | None
     for name, f in influence._factors.items():  # the fit, in the reference's bases
         assert f.qa is not None and f.qs is not None
         expected = want["factors"][name]
-        assert _rel(f.lam(), _lambda(expected["G_lambda"], f.qs, f.qa)) < 1e-12
+        assert _rel(f.lam()[0], _lambda(expected["G_lambda"], f.qs[0], f.qa[0])) < 1e-12
         assert abs(influence.block_damping(name) - expected["damping"]) <= (
             1e-12 * expected["damping"])
     pairwise = influence.pairwise_scores(_batches(query, 7), _batches(train, size))
@@ -75,7 +75,7 @@ def test_a_fit_saves_loads_and_refuses_another_models(tmp_path: Path) -> None:
     again.load(tmp_path / "fit.pt")
     assert torch.equal(again.self_scores(_batches(train, 50)), scores)
     other = EKFACInfluence(nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)))
-    with pytest.raises(ValueError, match=r"qs of layer '0' is not \(16, 16\)"):
+    with pytest.raises(ValueError, match=r"lam_sum of layer '0' is not \(1, 16, 65\)"):
         other.load(tmp_path / "fit.pt")
     (tmp_path / "junk.pt").write_bytes(b"not a fit")
     with pytest.raises(ValueError, match="not an EKFACInfluence fit"):
@@ -88,8 +88,9 @@ def test_coverage_and_the_true_fishers_draws() -> None:
     train = _digits()[1]
     influence = EKFACInfluence(model, seed=5, dtype=F64)  # true Fisher: labels drawn
     assert influence.coverage() == {"0.weight": "linear", "0.bias": "linear",
-                                    "1.weight": "first-order", "1.bias": "first-order",
+                                    "1.weight": "scale_shift", "1.bias": "scale_shift",
                                     "2.weight": "linear", "2.bias": "linear"}
+    assert EKFACInfluence(model, layer_kinds="linear").coverage()["1.weight"] == "first-order"
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return iter(_batches(train, 64))
@@ -103,7 +104,7 @@ def test_coverage_and_the_true_fishers_draws() -> None:
     with pytest.raises(ValueError, match="damping must be >= 0"):
         EKFACInfluence(model, damping=-1.0)
     with pytest.raises(ValueError, match="no layer influence can track"):
-        EKFACInfluence(nn.Sequential(nn.LayerNorm(4)))
+        EKFACInfluence(nn.Sequential(nn.LayerNorm(4)), layer_kinds=("linear",))
 
 
 class _CNN(nn.Module):
@@ -137,8 +138,8 @@ def test_kaisa_equals_kronfluence(net: str, tmp_path: Path) -> None:
     for name, want in theirs["factors"].items():
         f = ours._factors[name]
         assert f.a_sum is not None and f.s_sum is not None
-        assert _rel(f.a_sum / f.rows, want["A"]) < 1e-6
-        assert _rel(f.s_sum / f.rows, want["S"]) < 1e-6
+        assert _rel(f.a_sum[0] / f.rows, want["A"]) < 1e-6
+        assert _rel(f.s_sum[0] / f.rows, want["S"]) < 1e-6
         assert abs(ours.block_damping(name) - want["damping"]) <= 1e-6 * want["damping"]
     pairwise = ours.pairwise_scores(_batches(query, 64), _batches(train, 64))
     assert _rel(pairwise, theirs["pairwise"]) < 1e-6
@@ -150,7 +151,7 @@ def test_bases_seeded_from_exact_factors_give_the_full_fit() -> None:
     run's mean loss gives it) equal the full fit when the factors are the covariances."""
     model, train, query = _digits()
     full = _fit(model, train, train.tensors[1], 50, None)
-    exact = {name: (f.a_sum / f.rows, 37.0 * f.s_sum / f.rows)  # type: ignore[operator]
+    exact = {name: (f.a_sum[0] / f.rows, 37.0 * f.s_sum[0] / f.rows)  # type: ignore[index]
              for name, f in full._factors.items()}
     seeded = EKFACInfluence(model, fisher="empirical", damping=None, dtype=F64)
     passes = []
@@ -247,10 +248,28 @@ def test_what_models_do_to_their_layers_is_handled_or_refused() -> None:
                         nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(128, 10)).double()
     net[2].eval()  # frozen statistics
     influence = EKFACInfluence(net, fisher="empirical", dtype=F64)
-    assert influence.coverage()["1.weight"] == "first-order"
+    assert influence.coverage()["1.weight"] == "conv2d"  # the core's statistics
+    assert influence.coverage()["2.weight"] == "scale_shift"
     influence.fit(lambda: iter(_batches(train, 50)))
     assert net.training and not net[2].training
 
     drawn = EKFACInfluence(mlp(False), seed=0)._labels(
         query.tensors[0], torch.tensor([-100] * 10 + list(range(10))))
     assert (drawn[:10] == -100).all() and bool(((drawn[10:] >= 0) & (drawn[10:] < 10)).all())
+
+
+def test_a_kind_the_core_records_scores_as_the_anchors_kind() -> None:
+    """A 3x3 convolution with ``padding='same'`` (its factors from the core's recorder,
+    kfac-pytorch's scale) scores as the same convolution with ``padding=1`` (the anchor's
+    rows): the bases and ``Λ`` do not depend on a factor's scale."""
+    _, train, query = _digits()
+    scores = []
+    for padding in ("same", 1):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 3, 3, padding=padding),
+                            nn.Tanh(), nn.Flatten(), nn.Linear(192, 10)).double()
+        influence = EKFACInfluence(net, fisher="empirical", dtype=F64)
+        influence.fit(lambda: iter(_batches(train, 50)))
+        scores.append(influence.pairwise_scores(_batches(query, 10), _batches(train, 50)))
+    assert _rel(scores[0], scores[1]) < 1e-10
+
