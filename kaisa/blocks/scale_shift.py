@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kaisa.blocks.base import CurvatureBlock
@@ -99,8 +100,7 @@ class ScaleShiftBlock(CurvatureBlock):
         eps = self._eps if self._eps is not None else torch.finfo(x.dtype).eps
         if self._rms:
             return rows * torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
-        mean, var = rows.mean(-1, keepdim=True), rows.var(-1, unbiased=False, keepdim=True)
-        return (rows - mean) * torch.rsqrt(var + eps)
+        return F.layer_norm(rows, rows.shape[-1:], eps=eps)  # one kernel: (rows - mean) / std
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (an input or output gradient) as rows ``(M, E)`` of the norm's features."""

@@ -141,6 +141,11 @@ class StatisticsRecorder:
         #: Observe modules in evaluation mode too (influence's passes: statistics of the
         #: model as it predicts, without dropout); ``False``: training mode only.
         self.any_mode = False
+        #: When set, every observed call's input and output gradient go to it, paired
+        #: (``pairs(block, x, d, site)``, in the backward pass), instead of the block's
+        #: statistics (influence's per-example gradients).
+        self.pairs: Callable[[CurvatureBlock, torch.Tensor, torch.Tensor, int], None] | None = (
+            None)
         #: Keep where the hooked outputs of recorded forward passes enter the graph, in
         #: :attr:`kept_outputs` (until :meth:`end_step`; edges, not the tensors): G's
         #: backward passes need only their gradients (:func:`kaisa.kfac.fisher.record_g`).
@@ -331,12 +336,18 @@ class StatisticsRecorder:
             self._on_backward_end()
 
     def _record_input(self, layer: CurvatureBlock, x: torch.Tensor, site: int) -> None:
+        if self.pairs is not None:
+            return  # handed over with its output gradient
         with torch.no_grad(), full_precision(x):
             layer.record_input(x, in_hook=self._in_hook, site=site)
 
     def _record_grad(
         self, layer: CurvatureBlock, d: torch.Tensor, x: torch.Tensor, site: int
     ) -> None:
+        if self.pairs is not None:
+            with torch.no_grad():
+                self.pairs(layer, x.detach(), d, site)
+            return
         divisor = self.divisor if self.divisor is not None else loss_scale(self._grad_scaler)
         with torch.no_grad(), full_precision(d):
             layer.record_output_grad(d, divisor, in_hook=self._in_hook, inputs=x, site=site)

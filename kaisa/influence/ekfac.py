@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,14 +30,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kaisa.blocks import CurvatureBlock, register_blocks
+from kaisa import ops
+from kaisa.blocks import register_blocks
 from kaisa.core.coverage import FIRST_ORDER
 from kaisa.distributed.torch_comm import make_communicator
-from kaisa.influence.gradients import example_gradients
+from kaisa.influence.fit import BlockFit, dense_sides, matrix_shape
+from kaisa.influence.observed import Call, Observer
 from kaisa.influence.ranks import gathered, summed
-from kaisa.influence.recorded import CoreStatistics
-from kaisa.influence.rows import basis, evaluating, observe, row_kind
-from kaisa.utils.enums import Side
+from kaisa.influence.rows import Rows, basis, call_part, row_kind, scorable
 
 __all__ = ["EKFACInfluence", "Fisher"]
 
@@ -66,56 +65,6 @@ def summed_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.
     """The summed cross-entropy over every position (no ``1/B``)."""
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1),
                            reduction="sum")
-
-
-@dataclass
-class _Factors:
-    """One block's sums and counts, then its bases and ``Λ``.
-
-    Every tensor has the block's groups first: sums and bases ``(groups, n, n)``, ``Λ``
-    the gradient matrix's ``(groups, rows, columns)``. A side without a basis (a diagonal
-    side, both sides of a diagonal kind) keeps ``None``: the identity.
-    """
-
-    a_sum: torch.Tensor | None = None
-    s_sum: torch.Tensor | None = None
-    rows: int = 0
-    lam_sum: torch.Tensor | None = None
-    examples: int = 0
-    qa: torch.Tensor | None = None
-    qs: torch.Tensor | None = None
-    based: bool = False
-
-    def lam(self) -> torch.Tensor:
-        assert self.lam_sum is not None and self.examples > 0
-        return self.lam_sum / self.examples
-
-    def rotate(self, grads: torch.Tensor) -> torch.Tensor:
-        """``QS^T G QA`` of matrices ``G`` (``(..., groups, rows, columns)``)."""
-        if self.qs is not None:
-            grads = self.qs.mT @ grads
-        return grads if self.qa is None else grads @ self.qa
-
-    def rotate_back(self, rotated: torch.Tensor) -> torch.Tensor:
-        """``QS R QA^T``: the inverse of :meth:`rotate`."""
-        if self.qs is not None:
-            rotated = self.qs @ rotated
-        return rotated if self.qa is None else rotated @ self.qa.mT
-
-
-def dense_sides(block: CurvatureBlock) -> tuple[bool, bool]:
-    """Whether the block's A and G sides have a basis to fit (dense Kronecker factors)."""
-    if block.diagonal:
-        return False, False
-    return not block.is_diagonal(Side.A), not block.is_diagonal(Side.G)
-
-
-def matrix_shape(block: CurvatureBlock) -> tuple[int, ...]:
-    """The shape of the block's gradient matrix ``(groups, rows, columns)``."""
-    zeros = [torch.zeros(p.shape, device="meta") for p in block.parameters()]
-    matrix = block.gradient_matrix(zeros)
-    assert matrix is not None
-    return tuple(matrix.shape)
 
 
 class EKFACInfluence:
@@ -160,10 +109,12 @@ class EKFACInfluence:
         self._device = next(model.parameters()).device
         kinds = None if layer_kinds == "all" else (
             (layer_kinds,) if isinstance(layer_kinds, str) else tuple(layer_kinds))
-        self.blocks = register_blocks(model, kinds=kinds, factor_dtype=dtype)
+        blocks = register_blocks(model, kinds=kinds, factor_dtype=dtype)
+        self.blocks = {name: b for name, b in blocks.items() if scorable(b)}
         if not self.blocks:
             raise ValueError(f"model has no layer influence can track (kinds {layer_kinds!r})")
-        self._factors = {name: _Factors() for name in self.blocks}
+        self._factors = {name: BlockFit() for name in self.blocks}
+        self._observer = Observer(model, self.blocks)
         covered = {id(p): b.kind for b in self.blocks.values() for p in b.parameters()}
         self._coverage = {n: covered.get(id(p), FIRST_ORDER)
                           for n, p in model.named_parameters() if p.requires_grad}
@@ -197,13 +148,14 @@ class EKFACInfluence:
             self._seed(factors)
         else:
             self._covariances(batches())
-        for inputs, targets in batches():
-            grads = self._gradients(inputs, self._labels(inputs, targets))
-            for name, g in grads.items():
-                f = self._factors[name]
-                square = f.rotate(g).square().sum(0)
-                f.lam_sum = square if f.lam_sum is None else f.lam_sum.add_(square)
-                f.examples += g.shape[0]
+        with self._observer.installed():
+            for inputs, targets in batches():
+                calls = self._observer.run(inputs, self._fisher_loss(targets))
+                for name, parts in self._parts(calls, inputs.shape[0]).items():
+                    f = self._factors[name]
+                    square = f.rotated(parts).square().sum(0)
+                    f.lam_sum = square if f.lam_sum is None else f.lam_sum.add_(square)
+                    f.examples += inputs.shape[0]
         for name, f in self._factors.items():
             if f.lam_sum is None:  # no data on this rank
                 f.lam_sum = torch.zeros(matrix_shape(self.blocks[name]), dtype=self.dtype,
@@ -223,7 +175,7 @@ class EKFACInfluence:
             dense, dims = dense_sides(block), block.dims
             pair = factors.get(name)
             if not any(dense):
-                seeded[name] = _Factors(based=True)
+                seeded[name] = BlockFit(based=True)
                 continue
             want = [(block.groups, n, n) for n in dims]
             if pair is None or any(
@@ -234,7 +186,7 @@ class EKFACInfluence:
                                  "model, or blocks without a bias column?)")
             qa, qs = (basis(t.reshape(w)).to(self.dtype) if d else None
                       for d, t, w in zip(dense, pair, want, strict=True))
-            seeded[name] = _Factors(qa=qa, qs=qs, based=True)
+            seeded[name] = BlockFit(qa=qa, qs=qs, based=True)
         self._factors = seeded
 
     def _covariances(self, batches: Iterable[Batch]) -> None:
@@ -243,23 +195,28 @@ class EKFACInfluence:
         The anchor's kinds from their rows; the others from the core's batch factors
         (:mod:`kaisa.influence.recorded`), in the same forward and backward pass.
         """
-        self._factors = {name: _Factors() for name in self.blocks}
-        rowed = {n: b for n, b in self.blocks.items() if row_kind(b)}
-        core = CoreStatistics({n: b for n, b in self.blocks.items()
-                               if not row_kind(b) and any(dense_sides(b))})
-        with core.recording():
-            for inputs, targets in batches:
-                labels = self._labels(inputs, targets)
-                observed = observe(self.model, rowed, inputs,
-                                   partial(_flipped, self.loss, labels), self.dtype,
-                                   also=core.parameters())
-                for name, (a, g) in observed.items():
-                    a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-                    self._add(name, (a2.T @ a2)[None], (g2.T @ g2)[None], a2.shape[0])
-                for name, (a_batch, g_batch) in core.take().items():
+        self._factors = {name: BlockFit() for name in self.blocks}
+        rowed = [name for name, b in self.blocks.items() if row_kind(b)]
+        observer = self._observer
+        observer.recording = {n for n, b in self.blocks.items()
+                              if not row_kind(b) and any(dense_sides(b))}
+        try:
+            with observer.installed():
+                for inputs, targets in batches:
                     n = inputs.shape[0]
-                    self._add(name, None if a_batch is None else a_batch * n,
-                              None if g_batch is None else g_batch * n, n)
+                    calls = observer.run(inputs, self._fisher_loss(targets))
+                    for name in rowed:
+                        for x, d, site in calls[name]:
+                            part = call_part(self.blocks[name], x, d, site, n, self.dtype)
+                            assert isinstance(part, Rows)
+                            a2, g2 = part.a.flatten(0, 2), part.g.flatten(0, 2)
+                            self._add(name, ops.covariance(a2, 1.0)[None],
+                                      ops.covariance(g2, 1.0)[None], a2.shape[0])
+                    for name, (a_batch, g_batch) in observer.batch_factors().items():
+                        self._add(name, None if a_batch is None else a_batch * n,
+                                  None if g_batch is None else g_batch * n, n)
+        finally:
+            observer.recording = set()
         self._sum_and_decompose()
 
     def _add(self, name: str, a: torch.Tensor | None, s: torch.Tensor | None,
@@ -301,15 +258,24 @@ class EKFACInfluence:
             f.qs = basis(f.s_sum / f.rows).to(self.dtype) if f.s_sum is not None else None
             f.based = True
 
-    def _labels(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The batch's Fisher labels: its targets, or drawn from the model's outputs."""
+    def _fisher_loss(self, targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The pass's loss of the outputs: with the targets, or labels drawn from them."""
+        def value(outputs: torch.Tensor) -> torch.Tensor:
+            return self.loss(outputs, self._draw(outputs, targets))
+
+        return value
+
+    def _draw(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The Fisher labels of a batch: its targets, or drawn from its outputs."""
         if self.fisher is Fisher.EMPIRICAL:
             return targets
-        with torch.no_grad(), evaluating(self.model):
-            logits = self.model(inputs)
-        probs = F.softmax(logits.reshape(-1, logits.shape[-1]).double(), dim=-1).cpu()
-        drawn = torch.multinomial(probs, 1, generator=self.generator)[:, 0]  # a CPU generator
-        drawn = drawn.to(targets.device).reshape(targets.shape)
+        logits = outputs.detach()
+        probs = F.softmax(logits.reshape(-1, logits.shape[-1]).double(), dim=-1)
+        # inverse-CDF draws, one uniform per position from the CPU generator
+        uniform = torch.rand(probs.shape[0], 1, generator=self.generator, dtype=torch.float64)
+        cdf = probs.cumsum(-1)
+        drawn = torch.searchsorted(cdf, uniform.to(cdf.device) * cdf[:, -1:])[:, 0]
+        drawn = drawn.clamp_(max=probs.shape[-1] - 1).reshape(targets.shape)
         return torch.where(targets == IGNORE_INDEX, targets, drawn)  # padding stays ignored
 
     # ------------------------------------------------------------------ scores
@@ -335,9 +301,12 @@ class EKFACInfluence:
         """:meth:`pairwise_scores` per block: ``{block name: (n_query, n_train)}``."""
         per_block = self._preconditioned_queries(queries, measurement or self.loss)
         columns: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
-        for inputs, targets in train:
-            for name, g in self._gradients(inputs, targets).items():
-                columns[name].append(per_block[name].flatten(1) @ g.flatten(1).T)
+        with self._observer.installed():
+            for inputs, targets in train:
+                calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
+                for name, parts in self._parts(calls, inputs.shape[0]).items():
+                    g = _summed(p.matrices() if isinstance(p, Rows) else p for p in parts)
+                    columns[name].append(per_block[name].flatten(1) @ g.flatten(1).T)
         return {name: gathered(self._comm, torch.cat(parts, dim=1) if parts else
                                per_block[name].new_zeros(len(per_block[name]), 0))
                 for name, parts in columns.items()}
@@ -352,9 +321,12 @@ class EKFACInfluence:
     def block_self_scores(self, train: Iterable[Batch]) -> dict[str, torch.Tensor]:
         """:meth:`self_scores` per block: ``{block name: (n_train,)}``."""
         out: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
-        for inputs, targets in train:
-            for name, g in self._gradients(inputs, targets).items():
-                out[name].append((self._precondition(name, g) * g).flatten(1).sum(1))
+        with self._observer.installed():
+            for inputs, targets in train:
+                calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
+                for name, parts in self._parts(calls, inputs.shape[0]).items():
+                    rotated = self._factors[name].rotated(parts)
+                    out[name].append((rotated.square() * self._inverse(name)).flatten(1).sum(1))
         return {name: gathered(self._comm, torch.cat(parts) if parts else
                                torch.zeros(0, dtype=self.dtype, device=self._device))
                 for name, parts in out.items()}
@@ -367,64 +339,52 @@ class EKFACInfluence:
 
     def _preconditioned_queries(self, queries: Iterable[Batch],
                                 measurement: Measurement) -> dict[str, torch.Tensor]:
+        """Per block, ``P(G_q)`` of every query ``(n_query, groups, rows, columns)``."""
         parts: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
-        for inputs, targets in queries:
-            for name, g in self._gradients(inputs, targets, measurement).items():
-                parts[name].append(self._precondition(name, g))
+        with self._observer.installed():
+            for inputs, targets in queries:
+                calls = self._observer.run(inputs, partial(_flipped, measurement, targets))
+                for name, pieces in self._parts(calls, inputs.shape[0]).items():
+                    f = self._factors[name]
+                    parts[name].append(f.rotate_back(f.rotated(pieces) * self._inverse(name)))
         return {name: torch.cat(p) for name, p in parts.items()}
 
-    def _precondition(self, name: str, grads: torch.Tensor) -> torch.Tensor:
-        """``QS ((QS^T G QA) / (Λ + λ)) QA^T`` of per-example gradients ``G``."""
+    def _inverse(self, name: str) -> torch.Tensor:
+        """``1 / (Λ + λ)`` of block ``name``."""
         if not self.fitted:
             raise RuntimeError("EKFACInfluence: call fit() (or load a fit) before scoring")
-        f = self._factors[name]
-        inverse = 1.0 / (f.lam() + self.block_damping(name))
-        return f.rotate_back(f.rotate(grads) * inverse)
+        return 1.0 / (self._factors[name].lam() + self.block_damping(name))
 
-    # ------------------------------------------------------------------ observing
-    def _gradients(self, inputs: torch.Tensor, targets: torch.Tensor,
-                   loss: Measurement | None = None) -> dict[str, torch.Tensor]:
-        """Per block, the examples' gradient matrices ``(N, groups, rows, columns)``."""
-        return example_gradients(self.model, self.blocks, inputs, targets, loss or self.loss,
-                                 self.dtype)
+    def _parts(self, calls: Mapping[str, list[Call]], examples: int
+               ) -> dict[str, list[torch.Tensor | Rows]]:
+        """Per block, the examples' parts of its gradient from each of its calls.
+
+        A block the pass did not reach (no call) has zero gradients.
+        """
+        out: dict[str, list[torch.Tensor | Rows]] = {}
+        for name, block in self.blocks.items():
+            seen = calls.get(name, [])
+            out[name] = [call_part(block, x, d, site, examples, self.dtype)
+                         for x, d, site in seen] or [
+                torch.zeros(examples, *matrix_shape(block), dtype=self.dtype,
+                            device=self._device)]
+        return out
 
     # ------------------------------------------------------------------ saving
     def state_dict(self) -> dict[str, Any]:
         """The fit: per block its bases (absent: the identity), ``Λ``'s sum and counts."""
         if not self.fitted:
             raise RuntimeError("EKFACInfluence: nothing to save before fit()")
-        blocks: dict[str, dict[str, Any]] = {}
-        for name, f in self._factors.items():
-            entry: dict[str, Any] = {"lam_sum": f.lam_sum, "examples": f.examples,
-                                     "rows": f.rows}
-            entry.update({key: t for key, t in (("qa", f.qa), ("qs", f.qs)) if t is not None})
-            blocks[name] = entry
-        return {"fisher": self.fisher.value, "blocks": blocks}
+        return {"fisher": self.fisher.value,
+                "blocks": {name: f.entry() for name, f in self._factors.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`; a fit of another model is refused, nothing loaded."""
         blocks = state.get("blocks") if isinstance(state, dict) else None
         if not isinstance(blocks, dict) or set(blocks) != set(self.blocks):
             raise ValueError("not an EKFACInfluence fit of this model (its layers differ)")
-        loaded = {}
-        for name, entry in blocks.items():
-            block = self.blocks[name]
-            want: dict[str, tuple[int, ...] | None] = {"lam_sum": matrix_shape(block)}
-            for key, dense, n in zip(("qa", "qs"), dense_sides(block), block.dims, strict=True):
-                want[key] = (block.groups, n, n) if dense else None
-            for key, shape in want.items():
-                t = entry.get(key) if isinstance(entry, dict) else None
-                if shape is None and t is None:
-                    continue
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                    raise ValueError(f"the fit's {key} of layer {name!r} is not "
-                                     f"{shape or 'absent'} (a fit of another model?)")
-            qa, qs = (None if entry.get(k) is None else entry[k].to(self.dtype, copy=True)
-                      for k in ("qa", "qs"))
-            loaded[name] = _Factors(qa=qa, qs=qs, lam_sum=entry["lam_sum"].to(self.dtype),
-                                    examples=int(entry["examples"]), rows=int(entry["rows"]),
-                                    based=True)
-        self._factors = loaded
+        self._factors = {name: BlockFit.loaded(self.blocks[name], entry, self.dtype)
+                         for name, entry in blocks.items()}
 
     def save(self, path: str | Path) -> None:
         """Writes :meth:`state_dict` to ``path``."""
@@ -437,6 +397,15 @@ class EKFACInfluence:
         except Exception as error:  # a truncated or foreign file
             raise ValueError(f"{path}: not an EKFACInfluence fit ({error})") from error
         self.load_state_dict(state)
+
+
+def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of one or more tensors (the first not copied)."""
+    it = iter(tensors)
+    total = next(it)
+    for t in it:
+        total = total + t
+    return total
 
 
 def _flipped(loss: Measurement, targets: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:

@@ -1,61 +1,158 @@
-"""What influence reads of a block: its rows ``(a, g)``, observed at its module's calls.
+"""Each example's part of a block's gradient, from one observed call of the block.
 
-``a`` is a row of the block's input (a column of ones appended last when the block has a
-bias; ``unfold`` patches for a convolution) and ``g`` the gradient of the loss with respect
-to the block's output at that row, both per example: ``(N, rows, in [+1])`` and
-``(N, rows, out)`` (``docs/conventions.md``, "Influence").
+The curvature core's hooks (:mod:`kaisa.influence.observed`) hand every call of a block
+(a module call, a functional product inside attention, a use of a tied weight) over as its
+input ``x`` and output gradient ``d``; :func:`call_part` turns them into the examples'
+parts of the block's gradient matrix ``(groups, rows, columns)``
+(:meth:`kaisa.blocks.CurvatureBlock.gradient_matrix`):
+
+* Kronecker rows (:class:`Rows`): ``a`` ``(N, groups, R, columns)`` and ``g``
+  ``(N, groups, R, rows)``, each example's matrix ``g^T a`` summed over its ``R`` rows
+  (a column of ones last in ``a`` when the block has a bias; ``unfold`` patches for a
+  convolution; for the head of a tied weight, in the embedding's orientation, the
+  logits' gradient is ``a`` and the head's input ``g``);
+* or the examples' matrices themselves ``(N, groups, rows, columns)`` (an embedding's
+  vocabulary side, a norm's scale and shift).
+
+``docs/conventions.md``, "Influence", is the math.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
-from kaisa.blocks import Conv2dBlock, CurvatureBlock, LinearBlock
+from kaisa.blocks import Conv2dBlock, CurvatureBlock, EmbeddingBlock, LinearBlock
 from kaisa.blocks.conv2d import Conv1dBlock
+from kaisa.blocks.experts import ExpertBlock
+from kaisa.blocks.scale_shift import ScaleShiftBlock
+from kaisa.blocks.tied import HEAD_SITE, TiedEmbeddingBlock
 
-__all__ = ["basis", "evaluating", "example_rows", "observe", "row_kind", "running_factors"]
+__all__ = ["Rows", "basis", "call_part", "evaluating", "row_kind", "running_factors",
+           "scorable"]
+
+
+@dataclass
+class Rows:
+    """Kronecker rows of the examples: their matrices are ``g^T a`` (summed over rows)."""
+
+    a: torch.Tensor  # (N, groups, R, columns)
+    g: torch.Tensor  # (N, groups, R, rows)
+
+    def matrices(self) -> torch.Tensor:
+        """``(N, groups, rows, columns)``."""
+        return self.g.mT @ self.a
+
+
+#: One call's part of the examples' gradient matrices.
+Part = Rows | torch.Tensor
+
+
+def scorable(block: CurvatureBlock) -> bool:
+    """Whether influence has the examples' parts of the block's calls.
+
+    Not an expert of a mixture-of-experts layer (its rows are the tokens routed to it,
+    not the examples').
+    """
+    return not isinstance(block, ExpertBlock) and isinstance(
+        block, LinearBlock | Conv2dBlock | EmbeddingBlock | ScaleShiftBlock)
 
 
 def row_kind(block: CurvatureBlock) -> bool:
-    """The anchor's kinds, observed at their module's own calls: rows here.
+    """The anchor's kinds: covariances ``(1/R) sum a a^T`` of the rows here.
 
-    ``nn.Linear`` (and HF's transposed ``Conv1D``) and a one-group ``nn.Conv2d`` with
-    numeric padding; their covariances are the conventions' ``(1/R) sum a a^T``.
+    ``nn.Linear`` (and HF's transposed ``Conv1D``) observed at its module's calls, and a
+    one-group ``nn.Conv2d`` with numeric padding; other kinds take the core's factors.
     """
     if any(site.weight is not None or site.module is not block.module
            for site in block.call_sites()):
-        return False  # functional call sites (attention, experts), or several modules
+        return False  # functional call sites (attention), or several modules
     if isinstance(block, Conv2dBlock):
-        conv = block.module
         return (not isinstance(block, Conv1dBlock) and block.groups == 1
-                and not isinstance(getattr(conv, "padding", 0), str))  # 'same', 'valid': later
+                and not isinstance(getattr(block.module, "padding", 0), str))
     return isinstance(block, LinearBlock) and (
         type(block).gradient_matrix is CurvatureBlock.gradient_matrix or block.transposed)
 
 
-def example_rows(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, g)`` as ``(N, rows, in [+1])`` and ``(N, rows, out)``: each example's rows."""
-    n = x.shape[0]
+def call_part(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor, site: int,
+              examples: int, dtype: torch.dtype) -> Part:
+    """The examples' part of ``block``'s gradient matrices from one call ``(x, d)``.
+
+    Raises:
+        ValueError: The call's examples are not the batch's (``examples``).
+    """
+    first = 1 if getattr(block, "_example_dim", 0) == 1 else 0  # attention: sequence-first
+    if x.shape[first] != examples:
+        raise ValueError(
+            f"influence: layer {block.name!r} is called on {x.shape[first]} rows, the batch "
+            f"has {examples} examples (the examples must be dimension {first} of its input)")
+    x, d = x.movedim(first, 0), d.movedim(first, 0).to(dtype)
+    if isinstance(block, TiedEmbeddingBlock) and site == HEAD_SITE:
+        return Rows(a=_flat(d), g=_flat(x.to(dtype)))
+    if isinstance(block, EmbeddingBlock):
+        return _embedding(block, x, d)
+    if isinstance(block, ScaleShiftBlock):
+        return _scale_shift(block, x.to(dtype), d)
     if isinstance(block, Conv2dBlock):
-        conv = block.module
-        assert isinstance(conv, nn.Conv2d)
-        a = F.unfold(x.to(dtype), conv.kernel_size, dilation=conv.dilation,
-                     padding=conv.padding, stride=conv.stride).transpose(1, 2)  # type: ignore[arg-type]
-        g = d.to(dtype).reshape(n, d.shape[1], -1).transpose(1, 2)
-    else:
-        a = x.to(dtype).reshape(n, -1, x.shape[-1])
-        g = d.to(dtype).reshape(n, -1, d.shape[-1])
+        return _conv(block, x.to(dtype), d)
+    a = _flat(x.to(dtype))
     if block.has_bias:
         a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
-    return a, g
+    return Rows(a=a, g=_flat(d))
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``(N, ..., features)`` as ``(N, 1, R, features)``."""
+    return t.reshape(t.shape[0], 1, -1, t.shape[-1])
+
+
+def _conv(block: Conv2dBlock, x: torch.Tensor, d: torch.Tensor) -> Rows:
+    """``unfold`` patches of the geometry, each group's channels apart."""
+    if isinstance(block, Conv1dBlock):  # the Conv2d of height 1
+        x, d = x.unsqueeze(2), d.unsqueeze(2)
+    geo, n, groups = block.geometry, x.shape[0], block.groups
+    patches = F.unfold(F.pad(x, geo.pad), geo.kernel_size, dilation=geo.dilation,
+                       stride=geo.stride)  # (N, C k k, L)
+    a = patches.reshape(n, groups, -1, patches.shape[-1]).mT  # (N, groups, L, C/g k k)
+    if block.has_bias:
+        a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+    g = d.reshape(n, groups, d.shape[1] // groups, -1).mT  # (N, groups, L, out/g)
+    return Rows(a=a, g=g)
+
+
+def _embedding(block: EmbeddingBlock, index: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``(N, 1, E, V)``: each example's output gradients added at its indices' columns."""
+    n, width = index.shape[0], d.shape[-1]
+    cols = index.reshape(n, 1, -1).expand(n, width, -1)
+    out = d.new_zeros(n, width, block.dims[0]).scatter_add_(2, cols, d.reshape(n, -1, width).mT)
+    if block.padding_idx is not None:  # no gradient from the embedding's own use
+        out[:, :, block.padding_idx] = 0
+    return out.unsqueeze(1)
+
+
+def _scale_shift(block: ScaleShiftBlock, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``(N, 1, P, E)``: each example's ``[sum xhat d; sum d]`` over its rows."""
+    n, module = x.shape[0], block.module
+    running = getattr(module, "running_mean", None)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and running is not None and not (
+            module.training):  # evaluation: the running statistics
+        rows = x.movedim(1, -1).reshape(-1, block.weight.numel())
+        var = module.running_var
+        assert var is not None
+        xhat = (rows - running.to(rows.dtype)) * torch.rsqrt(var.to(rows.dtype) + module.eps)
+    else:
+        xhat = block.normalized(x)
+    grads = block._grad_rows(d).reshape(n, -1, block.weight.numel())
+    parts = [(xhat.reshape(grads.shape) * grads).sum(1)]
+    if block.has_bias:
+        parts.append(grads.sum(1))
+    return torch.stack(parts, dim=1).unsqueeze(1)
 
 
 @contextmanager
@@ -68,48 +165,6 @@ def evaluating(model: nn.Module) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
-
-
-def observe(model: nn.Module, blocks: Mapping[str, CurvatureBlock], inputs: torch.Tensor,
-            value: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
-            also: Sequence[torch.Tensor] = (),
-            ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per block, the ``(a, g)`` rows of one batch under ``value(outputs)``.
-
-    The calls of a block side by side, in evaluation mode; the parameters' ``.grad`` are not
-    touched. The backward pass also reaches ``also`` (parameters whose other hooks record
-    in the same pass).
-    """
-    calls: dict[str, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {n: [] for n in blocks}
-    handles = []
-    for name, block in blocks.items():
-        def hook(module: nn.Module, args: Any, out: Any, name: str = name) -> None:
-            if isinstance(out, torch.Tensor) and out.requires_grad and args:
-                if args[0].shape[0] != inputs.shape[0]:
-                    raise ValueError(
-                        f"influence: layer {name!r} is called on {args[0].shape[0]} rows, the "
-                        f"batch has {inputs.shape[0]} examples (dimension 0 of every layer's "
-                        "input must be the examples)")
-                # the output's gradient edge: the gradient where the layer made it, even if
-                # the model then changes the output in place
-                calls[name].append((args[0].detach(), out, get_gradient_edge(out)))
-
-        handles.append(block.module.register_forward_hook(hook))
-    try:
-        with torch.enable_grad(), evaluating(model):
-            loss = value(model(inputs))
-    finally:
-        for handle in handles:
-            handle.remove()
-    seen = [(n, x, out, edge) for n, observed in calls.items() for x, out, edge in observed]
-    wanted = [edge for *_, edge in seen] + list(also)
-    grads = torch.autograd.grad(loss, wanted, allow_unused=True)[:len(seen)]
-    rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in blocks}
-    for (name, x, out, _), d in zip(seen, grads, strict=True):
-        rows[name].append(example_rows(blocks[name], x,
-                                       torch.zeros_like(out) if d is None else d, dtype))
-    return {name: (torch.cat([a for a, _ in r], dim=1), torch.cat([g for _, g in r], dim=1))
-            for name, r in rows.items() if r}
 
 
 def running_factors(product: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -253,8 +253,9 @@ def test_what_models_do_to_their_layers_is_handled_or_refused() -> None:
     influence.fit(lambda: iter(_batches(train, 50)))
     assert net.training and not net[2].training
 
-    drawn = EKFACInfluence(mlp(False), seed=0)._labels(
-        query.tensors[0], torch.tensor([-100] * 10 + list(range(10))))
+    model = mlp(False)
+    drawn = EKFACInfluence(model, seed=0)._draw(
+        model(query.tensors[0]), torch.tensor([-100] * 10 + list(range(10))))
     assert (drawn[:10] == -100).all() and bool(((drawn[10:] >= 0) & (drawn[10:] < 10)).all())
 
 

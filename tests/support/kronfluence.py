@@ -29,39 +29,51 @@ F64 = torch.float64
 class ClassificationTask(Task):  # type: ignore[misc]
     """Summed cross-entropy, as Kronfluence's own classification tests define it.
 
-    Batches are ``(inputs, labels, index)``. The Fisher labels (``sample=True``) are
-    ``fixed_labels[index]`` when given (the same in both passes), else drawn from the
-    model (Kronfluence's default). The measurement is the query's summed loss.
+    Batches are ``(inputs, labels, index)``; logits ``(..., classes)`` with labels of the
+    leading shape (a sequence model: one label per position). The Fisher labels
+    (``sample=True``) are ``fixed_labels[index]`` when given (the same in both passes),
+    else drawn from the model (Kronfluence's default). The measurement is the query's
+    summed loss. ``tracked``: the names of the modules Kronfluence tracks (``None``: every
+    ``nn.Linear`` and ``nn.Conv2d``).
     """
 
-    def __init__(self, fixed_labels: torch.Tensor | None = None) -> None:
+    def __init__(self, fixed_labels: torch.Tensor | None = None,
+                 tracked: list[str] | None = None) -> None:
         self.fixed_labels = fixed_labels
+        self.tracked = tracked
 
     def compute_train_loss(self, batch: Any, model: nn.Module, sample: bool = False) -> Any:
         inputs, labels, index = batch
         logits = model(inputs)
+        flat = logits.reshape(-1, logits.shape[-1])
         if sample:
             if self.fixed_labels is not None:
                 labels = self.fixed_labels[index]
             else:
                 with torch.no_grad():
-                    labels = torch.multinomial(F.softmax(logits, dim=-1), 1).flatten()
-        return F.cross_entropy(logits, labels, reduction="sum")
+                    labels = torch.multinomial(F.softmax(flat, dim=-1), 1).flatten()
+        return F.cross_entropy(flat, labels.reshape(-1), reduction="sum")
 
     def compute_measurement(self, batch: Any, model: nn.Module) -> Any:
         inputs, labels, _ = batch
-        return F.cross_entropy(model(inputs), labels, reduction="sum")
+        logits = model(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               reduction="sum")
+
+    def get_influence_tracked_modules(self) -> list[str] | None:
+        return self.tracked
 
 
 def _indexed(data: TensorDataset, dtype: torch.dtype) -> TensorDataset:
     x, y = data.tensors[0], data.tensors[1]
-    return TensorDataset(x.to(dtype), y.long(), torch.arange(len(x)))
+    return TensorDataset(x if not x.is_floating_point() else x.to(dtype), y.long(),
+                         torch.arange(len(x)))
 
 
 def kronfluence_ekfac(
     model: nn.Module, train: TensorDataset, query: TensorDataset, *, damping: float | None,
     batch_size: int, workdir: str, empirical: bool, fixed_labels: torch.Tensor | None = None,
-    dtype: torch.dtype = F64, self_scores: bool = True,
+    dtype: torch.dtype = F64, self_scores: bool = True, tracked: list[str] | None = None,
 ) -> dict[str, Any]:
     """Kronfluence's EK-FAC factors and scores, every dtype float64 (or ``dtype``).
 
@@ -78,13 +90,14 @@ def kronfluence_ekfac(
         dtype: The statistics' and scores' dtype (float32: Kronfluence's defaults; its
             eigendecompositions run in float64 either way); the model and data follow it.
         self_scores: Also the self-influence scores.
+        tracked: The modules Kronfluence tracks (``None``: its default).
 
     Returns:
         ``{"factors": {module: {"A", "S", "QA", "QS", "lambda", "damping"}},
         "pairwise": (n_query, n_train), "self": (n_train,)}``.
     """
     warnings.filterwarnings("ignore", message=".*GradScaler.*")
-    task = ClassificationTask(fixed_labels)
+    task = ClassificationTask(fixed_labels, tracked)
     model = prepare_model(model=copy.deepcopy(model).to(dtype), task=task)
     analyzer = Analyzer(analysis_name="kaisa_anchor", model=model, task=task, cpu=True,
                         log_level=logging.WARNING, disable_tqdm=True, output_dir=workdir)

@@ -1,0 +1,123 @@
+"""One block's EK-FAC fit: its sums, bases and ``Λ``, and the rotations into its bases.
+
+Every tensor has the block's groups first: sums and bases ``(groups, n, n)``, ``Λ`` the
+gradient matrix's ``(groups, rows, columns)``. A side without a basis (a diagonal side,
+both sides of a diagonal kind) keeps ``None``: the identity (``docs/conventions.md``,
+"Influence").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kaisa.blocks import CurvatureBlock
+from kaisa.influence.rows import Part, Rows
+from kaisa.utils.enums import Side
+
+__all__ = ["BlockFit", "dense_sides", "matrix_shape"]
+
+
+def dense_sides(block: CurvatureBlock) -> tuple[bool, bool]:
+    """Whether the block's A and G sides have a basis to fit (dense Kronecker factors)."""
+    if block.diagonal:
+        return False, False
+    return not block.is_diagonal(Side.A), not block.is_diagonal(Side.G)
+
+
+def matrix_shape(block: CurvatureBlock) -> tuple[int, ...]:
+    """The shape of the block's gradient matrix ``(groups, rows, columns)``."""
+    zeros = [torch.zeros(p.shape, device="meta") for p in block.parameters()]
+    matrix = block.gradient_matrix(zeros)
+    assert matrix is not None
+    return tuple(matrix.shape)
+
+
+@dataclass
+class BlockFit:
+    """One block's sums and counts, then its bases and ``Λ``."""
+
+    a_sum: torch.Tensor | None = None
+    s_sum: torch.Tensor | None = None
+    rows: int = 0
+    lam_sum: torch.Tensor | None = None
+    examples: int = 0
+    qa: torch.Tensor | None = None
+    qs: torch.Tensor | None = None
+    based: bool = False
+
+    def lam(self) -> torch.Tensor:
+        """``Λ``: the mean of the examples' squared rotated gradients."""
+        assert self.lam_sum is not None and self.examples > 0
+        return self.lam_sum / self.examples
+
+    def rotate(self, grads: torch.Tensor) -> torch.Tensor:
+        """``QS^T G QA`` of matrices ``G`` (``(..., groups, rows, columns)``)."""
+        if self.qs is not None:
+            grads = self.qs.mT @ grads
+        return grads if self.qa is None else grads @ self.qa
+
+    def rotate_back(self, rotated: torch.Tensor) -> torch.Tensor:
+        """``QS R QA^T``: the inverse of :meth:`rotate`."""
+        if self.qs is not None:
+            rotated = self.qs @ rotated
+        return rotated if self.qa is None else rotated @ self.qa.mT
+
+    def rotated(self, parts: Sequence[Part]) -> torch.Tensor:
+        """``QS^T G_n QA`` of the examples' matrices made of ``parts`` (one per call).
+
+        Kronecker rows are rotated before their products when that is cheaper (fewer
+        rows per example than the matrix's dimensions make worth it), else the matrices.
+        """
+        total: torch.Tensor | None = None
+        for part in parts:
+            if isinstance(part, Rows) and self._rows_first(part):
+                a = part.a if self.qa is None else part.a @ self.qa
+                g = part.g if self.qs is None else part.g @ self.qs
+                rotated = g.mT @ a
+            else:
+                rotated = self.rotate(part.matrices() if isinstance(part, Rows) else part)
+            total = rotated if total is None else total + rotated
+        assert total is not None
+        return total
+
+    def _rows_first(self, part: Rows) -> bool:
+        rows, out, cols = part.a.shape[-2], part.g.shape[-1], part.a.shape[-1]
+        by_rows = rows * ((out * out if self.qs is not None else 0)
+                          + (cols * cols if self.qa is not None else 0))
+        by_matrix = out * cols * ((out if self.qs is not None else 0)
+                                  + (cols if self.qa is not None else 0))
+        return by_rows < by_matrix
+
+    def entry(self) -> dict[str, Any]:
+        """What a saved fit keeps of the block (bases only where they are not identity)."""
+        entry: dict[str, Any] = {"lam_sum": self.lam_sum, "examples": self.examples,
+                                 "rows": self.rows}
+        entry.update({key: t for key, t in (("qa", self.qa), ("qs", self.qs)) if t is not None})
+        return entry
+
+    @classmethod
+    def loaded(cls, block: CurvatureBlock, entry: object, dtype: torch.dtype) -> BlockFit:
+        """The fit of ``block`` from a saved :meth:`entry` (checked: shapes, presence).
+
+        Raises:
+            ValueError: ``entry`` is not a fit of this block.
+        """
+        want: dict[str, tuple[int, ...] | None] = {"lam_sum": matrix_shape(block)}
+        for key, dense, n in zip(("qa", "qs"), dense_sides(block), block.dims, strict=True):
+            want[key] = (block.groups, n, n) if dense else None
+        fields = entry if isinstance(entry, dict) else {}
+        for key, shape in want.items():
+            t = fields.get(key)
+            if shape is None and t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ValueError(f"the fit's {key} of layer {block.name!r} is not "
+                                 f"{shape or 'absent'} (a fit of another model?)")
+        qa, qs = (None if fields.get(k) is None else fields[k].to(dtype, copy=True)
+                  for k in ("qa", "qs"))
+        return cls(qa=qa, qs=qs, lam_sum=fields["lam_sum"].to(dtype, copy=True),
+                   examples=int(fields["examples"]), rows=int(fields["rows"]), based=True)
