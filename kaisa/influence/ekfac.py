@@ -26,18 +26,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from kaisa import ops
-from kaisa.blocks import register_blocks
+from kaisa.blocks import CurvatureBlock, register_blocks
 from kaisa.core.coverage import FIRST_ORDER
-from kaisa.distributed.torch_comm import make_communicator
+from kaisa.distributed.strategy import FractionSpec
 from kaisa.influence.fit import BlockFit, dense_sides, matrix_shape
 from kaisa.influence.observed import Call, Observer
-from kaisa.influence.ranks import gathered, summed
+from kaisa.influence.ranks import Ranks
 from kaisa.influence.rows import Rows, basis, call_part, row_kind, scorable
+from kaisa.utils.enums import DistributedStrategy, Side
 
 __all__ = ["EKFACInfluence", "Fisher"]
 
@@ -83,6 +83,10 @@ class EKFACInfluence:
             ``"attention"``, ``"embedding"``, ``"scale_shift"``), or ``"all"``.
         loss: ``(outputs, targets) -> summed loss`` of a batch; the summed cross-entropy
             by default (the true Fisher draws classification labels for it).
+        grad_worker_fraction: KAISA's strategy under ``torch.distributed``
+            (``'comm_opt'``, ``'mem_opt'``, ``'hybrid_opt'`` or a fraction): where each
+            block's eigendecompositions are computed and its queries preconditioned
+            (:mod:`kaisa.influence.ranks`); the scores do not depend on it.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class EKFACInfluence:
         dtype: torch.dtype = torch.float32,
         layer_kinds: str | tuple[str, ...] = "all",
         loss: Measurement = summed_cross_entropy,
+        grad_worker_fraction: FractionSpec = DistributedStrategy.COMM_OPT,
     ) -> None:
         self.model = model
         self.fisher = Fisher(fisher)
@@ -103,9 +108,6 @@ class EKFACInfluence:
         self.damping = damping
         self.dtype = dtype
         self.loss = loss
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self._comm = make_communicator(groups=[tuple(range(world))] if world > 1 else ())
-        self.generator = torch.Generator().manual_seed(seed + self._comm.rank)
         self._device = next(model.parameters()).device
         kinds = None if layer_kinds == "all" else (
             (layer_kinds,) if isinstance(layer_kinds, str) else tuple(layer_kinds))
@@ -115,6 +117,9 @@ class EKFACInfluence:
             raise ValueError(f"model has no layer influence can track (kinds {layer_kinds!r})")
         self._factors = {name: BlockFit() for name in self.blocks}
         self._observer = Observer(model, self.blocks)
+        self._ranks = Ranks(self.blocks, {n: dense_sides(b) for n, b in self.blocks.items()},
+                            grad_worker_fraction)
+        self.generator = torch.Generator().manual_seed(seed + self._ranks.rank)
         covered = {id(p): b.kind for b in self.blocks.values() for p in b.parameters()}
         self._coverage = {n: covered.get(id(p), FIRST_ORDER)
                           for n, p in model.named_parameters() if p.requires_grad}
@@ -161,7 +166,7 @@ class EKFACInfluence:
                 f.lam_sum = torch.zeros(matrix_shape(self.blocks[name]), dtype=self.dtype,
                                         device=self._device)
         fits = list(self._factors.values())
-        sums = summed(self._comm, [f.lam_sum for f in fits if f.lam_sum is not None],
+        sums = self._ranks.summed([f.lam_sum for f in fits if f.lam_sum is not None],
                       [f.examples for f in fits])
         for f, (lam_sum, examples) in zip(self._factors.values(), sums, strict=True):
             f.lam_sum, f.examples = lam_sum, examples
@@ -240,11 +245,12 @@ class EKFACInfluence:
                 if not dense:
                     continue
                 if getattr(f, attr) is None:  # no data on this rank: zeros to sum
-                    setattr(f, attr, torch.zeros(block.groups, n, n, dtype=self.dtype,
+                    stack = len(block.call_sites()) if _combines(block) else block.groups
+                    setattr(f, attr, torch.zeros(stack, n, n, dtype=self.dtype,
                                                  device=self._device))
                 sums.append(getattr(f, attr))
                 counts.append(f.rows)
-        totals = iter(summed(self._comm, sums, counts))
+        totals = iter(self._ranks.summed(sums, counts))
         for name, f in self._factors.items():
             dense_a, dense_s = dense_sides(self.blocks[name])
             if dense_a:
@@ -254,9 +260,20 @@ class EKFACInfluence:
             if (dense_a or dense_s) and f.rows == 0:
                 raise ValueError(f"layer {name!r} saw no data in the factor pass (is it "
                                  "used by the model's forward?)")
-            f.qa = basis(f.a_sum / f.rows).to(self.dtype) if f.a_sum is not None else None
-            f.qs = basis(f.s_sum / f.rows).to(self.dtype) if f.s_sum is not None else None
-            f.based = True
+        wanted: dict[tuple[str, Side], Callable[[], torch.Tensor]] = {}
+        shapes: dict[tuple[str, Side], tuple[int, ...]] = {}
+        for name, f in self._factors.items():
+            block = self.blocks[name]
+            a, s = (None if t is None else t / f.rows for t in (f.a_sum, f.s_sum))
+            if _combines(block):  # a tied weight's uses, combined once over everything
+                a, s = block.combine(a, s)
+            for side, mean, n in ((Side.A, a, block.dims[0]), (Side.G, s, block.dims[1])):
+                if mean is not None:
+                    wanted[name, side] = partial(basis, mean)
+                    shapes[name, side] = (block.groups, n, n)
+        bases = self._ranks.bases(wanted, shapes, self.dtype, self._device)
+        for name, f in self._factors.items():
+            f.qa, f.qs, f.based = bases.get((name, Side.A)), bases.get((name, Side.G)), True
 
     def _fisher_loss(self, targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The pass's loss of the outputs: with the targets, or labels drawn from them."""
@@ -307,7 +324,7 @@ class EKFACInfluence:
                 for name, parts in self._parts(calls, inputs.shape[0]).items():
                     g = _summed(p.matrices() if isinstance(p, Rows) else p for p in parts)
                     columns[name].append(per_block[name].flatten(1) @ g.flatten(1).T)
-        return {name: gathered(self._comm, torch.cat(parts, dim=1) if parts else
+        return {name: self._ranks.gathered(torch.cat(parts, dim=1) if parts else
                                per_block[name].new_zeros(len(per_block[name]), 0))
                 for name, parts in columns.items()}
 
@@ -327,7 +344,7 @@ class EKFACInfluence:
                 for name, parts in self._parts(calls, inputs.shape[0]).items():
                     rotated = self._factors[name].rotated(parts)
                     out[name].append((rotated.square() * self._inverse(name)).flatten(1).sum(1))
-        return {name: gathered(self._comm, torch.cat(parts) if parts else
+        return {name: self._ranks.gathered(torch.cat(parts) if parts else
                                torch.zeros(0, dtype=self.dtype, device=self._device))
                 for name, parts in out.items()}
 
@@ -339,15 +356,27 @@ class EKFACInfluence:
 
     def _preconditioned_queries(self, queries: Iterable[Batch],
                                 measurement: Measurement) -> dict[str, torch.Tensor]:
-        """Per block, ``P(G_q)`` of every query ``(n_query, groups, rows, columns)``."""
+        """Per block, ``P(G_q)`` of every query ``(n_query, groups, rows, columns)``.
+
+        Computed by the block's gradient workers, sent to the other ranks
+        (:meth:`Ranks.spread`).
+        """
         parts: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
+        count = 0
         with self._observer.installed():
             for inputs, targets in queries:
                 calls = self._observer.run(inputs, partial(_flipped, measurement, targets))
+                count += inputs.shape[0]
                 for name, pieces in self._parts(calls, inputs.shape[0]).items():
-                    f = self._factors[name]
-                    parts[name].append(f.rotate_back(f.rotated(pieces) * self._inverse(name)))
-        return {name: torch.cat(p) for name, p in parts.items()}
+                    if self._ranks.computes(name):
+                        f = self._factors[name]
+                        parts[name].append(
+                            f.rotate_back(f.rotated(pieces) * self._inverse(name)))
+        if count == 0:
+            raise ValueError("no query: the query batches are empty")
+        mine = {name: torch.cat(p) if p else None for name, p in parts.items()}
+        shapes = {name: (count, *matrix_shape(b)) for name, b in self.blocks.items()}
+        return self._ranks.spread(mine, shapes, self.dtype, self._device)
 
     def _inverse(self, name: str) -> torch.Tensor:
         """``1 / (Λ + λ)`` of block ``name``."""
@@ -397,6 +426,11 @@ class EKFACInfluence:
         except Exception as error:  # a truncated or foreign file
             raise ValueError(f"{path}: not an EKFACInfluence fit ({error})") from error
         self.load_state_dict(state)
+
+
+def _combines(block: CurvatureBlock) -> bool:
+    """Whether the block's batch factors are its uses', combined (a tied weight)."""
+    return type(block).combine is not CurvatureBlock.combine
 
 
 def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -36,6 +36,15 @@ def matrix_shape(block: CurvatureBlock) -> tuple[int, ...]:
     return tuple(matrix.shape)
 
 
+def _times(rows: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    """``rows @ basis`` per group (``(N, groups, R, n)``); one GEMM for one group."""
+    if basis is None:
+        return rows
+    if rows.shape[1] == 1:
+        return (rows.reshape(-1, rows.shape[-1]) @ basis[0]).reshape(rows.shape)
+    return rows @ basis
+
+
 @dataclass
 class BlockFit:
     """One block's sums and counts, then its bases and ``Λ``."""
@@ -75,9 +84,7 @@ class BlockFit:
         total: torch.Tensor | None = None
         for part in parts:
             if isinstance(part, Rows) and self._rows_first(part):
-                a = part.a if self.qa is None else part.a @ self.qa
-                g = part.g if self.qs is None else part.g @ self.qs
-                rotated = g.mT @ a
+                rotated = Rows(a=_times(part.a, self.qa), g=_times(part.g, self.qs)).matrices()
             else:
                 rotated = self.rotate(part.matrices() if isinstance(part, Rows) else part)
             total = rotated if total is None else total + rotated

@@ -85,10 +85,14 @@ class Observer:
             self._calls = {}
 
     def batch_factors(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """The batch factors ``(A, G)`` the :attr:`recording` blocks took in the last pass."""
+        """The batch factors ``(A, G)`` the :attr:`recording` blocks took in the last pass.
+
+        As the blocks' statistics give them, before :meth:`~kaisa.blocks.CurvatureBlock.combine`
+        (a tied weight's uses stacked): combining is not linear, so it comes after the sums.
+        """
         out = {}
         for name in self.recording:
             block = self.blocks[name]
-            out[name] = block.combine(*block.stats.take())
+            out[name] = block.stats.take()
             block.stats.clear()
         return out

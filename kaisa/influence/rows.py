@@ -47,7 +47,7 @@ class Rows:
 
     def matrices(self) -> torch.Tensor:
         """``(N, groups, rows, columns)``."""
-        return self.g.mT @ self.a
+        return torch.einsum("nkro,nkri->nkoi", self.g, self.a)
 
 
 #: One call's part of the examples' gradient matrices.
