@@ -60,6 +60,7 @@ of 10 queries (its runner computes them always).
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import tempfile
@@ -81,7 +82,8 @@ from kaisa.influence import EKFACInfluence
 Batch = tuple[torch.Tensor, torch.Tensor]
 METHODS = ("kaisa_ekfac", "identity", "kronfluence_ekfac")
 #: ``--quick``'s sizes (seconds; no claims).
-QUICK = {"train": 200, "queries": 20, "subsets": 8, "epochs": 3}
+QUICK = {"train": 200, "queries": 20, "subsets": 8, "epochs": 3, "mislabel_epochs": 3,
+         "mislabel_hidden": 32, "mislabel_seeds": 1}
 
 
 # ---------------------------------------------------------------- data, model, training
@@ -195,6 +197,37 @@ def kronfluence_scores(model: nn.Module, train_xy: Batch, query_xy: Batch, args:
     if self_scores:
         out["self"] = got["self"].double()
     return out
+
+
+def same_draws(model: nn.Module, train_xy: Batch, query_xy: Batch, args: Any
+               ) -> dict[str, Any]:
+    """Self scores of kaisa and Kronfluence with the same Fisher labels, in float64.
+
+    One draw of labels from the model (seeded ``args.seed + 7``) serves both passes of
+    both: kaisa's empirical Fisher on the relabelled batches, Kronfluence's
+    ``fixed_labels``. Their scores are then equal (the anchor), so are their recalls.
+    """
+    try:
+        from tests.support.kronfluence import kronfluence_ekfac
+    except ImportError as error:
+        return {"kronfluence_same_draws": {"skipped": f"kronfluence 1.0.1 is not installed "
+                                                      f"({error})"}}
+    xt, yt = train_xy
+    with torch.no_grad():
+        probs = F.softmax(model(xt).double(), dim=-1)
+    labels = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(
+        args.seed + 7))[:, 0]
+    model64 = copy.deepcopy(model).double()
+    influence = EKFACInfluence(model64, damping=None, fisher="empirical", dtype=torch.float64)
+    influence.fit(lambda: iter(batches(xt.double(), labels, args.influence_batch)))
+    ours = influence.self_scores(batches(xt.double(), yt, args.influence_batch))
+    with tempfile.TemporaryDirectory() as workdir:
+        theirs = kronfluence_ekfac(model, TensorDataset(*train_xy), TensorDataset(*query_xy),
+                                   damping=None, batch_size=args.influence_batch,
+                                   workdir=workdir, empirical=False, fixed_labels=labels,
+                                   self_scores=True)["self"].double()
+    return {"kaisa_same_draws": {"self": ours, "wall_s": 0.0},
+            "kronfluence_same_draws": {"self": theirs, "wall_s": 0.0}}
 
 
 # ---------------------------------------------------------------- the measures
@@ -332,6 +365,7 @@ def measure_mislabel(x: torch.Tensor, y: torch.Tensor, split: dict[str, torch.Te
               "identity": identity_scores(model, (xt, yt), None),
               "kronfluence_ekfac": kronfluence_scores(model, (xt, yt), (xq, yq), args, True),
               "loss": {"self": train_loss, "wall_s": 0.0}}
+    scored.update(same_draws(model, (xt, yt), (xq, yq), args))
     methods: dict[str, Any] = {}
     for name, got in scored.items():
         if "skipped" in got:
@@ -352,7 +386,7 @@ def table(results: dict[str, Any]) -> str:
     lines = [f"| method | LDS ± s.e. | recall at {frac}% | AUC | wall s (LDS / mislabel) |",
              "|---|---|---|---|---|"]
     lds_m, mis_m = results["lds"]["methods"], results["mislabel"]["methods"]
-    for name in (*METHODS, "loss"):
+    for name in (*METHODS, "loss", "kaisa_same_draws", "kronfluence_same_draws"):
         a, b = lds_m.get(name, {}), mis_m.get(name, {})
         cell = f"{a['lds']:.3f} ± {a['se']:.3f}" if "lds" in a else "-"
         rec = f"{b['recall_at_top']:.2f}" if "recall_at_top" in b else "-"
@@ -379,6 +413,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--flip", type=float, default=0.1, help="fraction of labels flipped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--mislabel-hidden", type=int, default=512)
+    p.add_argument("--mislabel-lr", type=float, default=0.05)
+    p.add_argument("--mislabel-epochs", type=int, default=100)
+    p.add_argument("--mislabel-weight-decay", type=float, default=0.0)
+    p.add_argument("--mislabel-seeds", type=int, default=5)
     args = p.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
@@ -389,6 +428,37 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return _run(args, argv)
     finally:
         torch.set_num_threads(threads)  # a test calling main() gets its threads back
+
+
+def mislabel_seeds(args: Any) -> dict[str, Any]:
+    """The mislabelled-examples measure under its own recipe (a model that fits the flipped
+    labels), for ``--mislabel-seeds`` seeds (split, initialisation and flips each);
+    per method the mean recall and AUC, and per seed the counts."""
+    margs = copy.copy(args)
+    margs.hidden, margs.lr = args.mislabel_hidden, args.mislabel_lr
+    margs.epochs, margs.weight_decay = args.mislabel_epochs, args.mislabel_weight_decay
+    runs = []
+    for seed in range(args.mislabel_seeds):
+        margs.seed = seed
+        x, y, perm = digits(seed)
+        split = {"train": perm[:args.train],
+                 "query": perm[args.train:args.train + args.queries],
+                 "test": perm[args.train + args.queries:]}
+        init = make_model(margs.hidden, margs.activation, seed).state_dict()
+        runs.append(measure_mislabel(x, y, split, init, margs))
+    methods: dict[str, Any] = {}
+    for name in runs[0]["methods"]:
+        got = [r["methods"][name] for r in runs]
+        if any("skipped" in g for g in got):
+            methods[name] = {"skipped": next(g["skipped"] for g in got if "skipped" in g)}
+            continue
+        methods[name] = {"recall_at_top": statistics.mean(g["recall_at_top"] for g in got),
+                         "auc": statistics.mean(g["auc"] for g in got),
+                         "per_seed_recall": [g["recall_at_top"] for g in got],
+                         "wall_s": statistics.mean(g.get("wall_s", 0.0) for g in got)}
+    return {"recipe": {"hidden": margs.hidden, "lr": margs.lr, "epochs": margs.epochs,
+                       "weight_decay": margs.weight_decay, "seeds": args.mislabel_seeds},
+            "methods": methods, "runs": runs}
 
 
 def _run(args: Any, argv: Sequence[str] | None) -> dict[str, Any]:
@@ -413,7 +483,7 @@ def _run(args: Any, argv: Sequence[str] | None) -> dict[str, Any]:
         kaisa_dtype="float32", kronfluence_dtype="float64", identity_dtype="float64")
     results: dict[str, Any] = {"quick": args.quick, "settings": settings}
     results["lds"] = measure_lds(x, y, split, init, args)
-    results["mislabel"] = measure_mislabel(x, y, split, init, args)
+    results["mislabel"] = mislabel_seeds(args)
     results["wall_s"] = time.perf_counter() - start
     results["table"] = table(results)
     print(results["table"])

@@ -3,14 +3,15 @@
     python bench/influence/vs_kronfluence.py [--rounds 3] [--train 1000] [--queries 100]
     python bench/influence/vs_kronfluence.py --model gpt [--train 256] [--queries 16]
 
-``--model cnn`` (the default): on scikit-learn's digits, a small CNN (conv 1->16 3x3, ReLU, 2x2 max-pool, linear to 10
-classes; initial weights, seed 0): each side fits its EK-FAC factors on ``--train``
-images (true Fisher, labels drawn from the model; heuristic damping) and scores
-``--queries`` held-out images against every training image, float32, batch 64, one
-thread. The two sides run alternately, ``--rounds`` times (``bench.harness.interleaved``),
-and the script reports each side's median seconds and kaisa's ratio of medians to
-Kronfluence's. Kronfluence runs its own pipeline (``Analyzer``: it writes its factors and
-scores to a temporary directory, as it always does); kaisa keeps them in memory. Needs
+``--model cnn`` (the default): on scikit-learn's digits, a small CNN (conv 1->16 3x3,
+ReLU, 2x2 max-pool, linear to 10 classes; initial weights, seed 0): each side fits its
+EK-FAC factors on ``--train`` images (true Fisher, labels drawn from the model; heuristic
+damping) and scores ``--queries`` held-out images against every training image, float32,
+batch 64, one thread. The two sides run alternately, ``--rounds`` times
+(``bench.harness.interleaved``), and the script reports each side's median seconds and
+kaisa's ratio of medians to Kronfluence's. Kronfluence runs its own pipeline
+(``Analyzer``: it writes its factors and scores to a temporary directory, as it always
+does); kaisa keeps them in memory. Needs
 ``pip install --no-deps kronfluence==1.0.1``. ``--tiny`` is a seconds-long smoke run.
 
 ``--model gpt``: the byte GPT of ``kaisa-train`` (d 128, 4 layers, 4 heads, a tied

@@ -6,11 +6,15 @@
     influence.fit(lambda: train_batches)             # two passes over the training set
     scores = influence.pairwise_scores(query_batches, train_batches)   # (n_query, n_train)
     self_influence = influence.self_scores(train_batches)              # (n_train,)
+    influence.save("results/")                         # results/fit.pt
+    kaisa.influence.save_scores("results/", "pairwise", scores)        # results/pairwise.pt
 """
 
 from __future__ import annotations
 
 from kaisa.influence.ekfac import EKFACInfluence, Fisher, summed_cross_entropy
+from kaisa.influence.results import load_scores, save_scores
 from kaisa.influence.rows import running_factors
 
-__all__ = ["EKFACInfluence", "Fisher", "running_factors", "summed_cross_entropy"]
+__all__ = ["EKFACInfluence", "Fisher", "load_scores", "running_factors", "save_scores",
+           "summed_cross_entropy"]

@@ -36,6 +36,7 @@ from kaisa.distributed.strategy import FractionSpec
 from kaisa.influence.fit import BlockFit, dense_sides, matrix_shape
 from kaisa.influence.observed import Call, Observer
 from kaisa.influence.ranks import Ranks
+from kaisa.influence.results import fit_file, read
 from kaisa.influence.rows import Rows, basis, call_part, row_kind, scorable
 from kaisa.utils.enums import DistributedStrategy, Side
 
@@ -83,6 +84,7 @@ class EKFACInfluence:
             ``"attention"``, ``"embedding"``, ``"scale_shift"``), or ``"all"``.
         loss: ``(outputs, targets) -> summed loss`` of a batch; the summed cross-entropy
             by default (the true Fisher draws classification labels for it).
+        progress: Show a progress bar for each pass over batches (needs ``tqdm``).
         grad_worker_fraction: KAISA's strategy under ``torch.distributed``
             (``'comm_opt'``, ``'mem_opt'``, ``'hybrid_opt'`` or a fraction): where each
             block's eigendecompositions are computed and its queries preconditioned
@@ -99,6 +101,7 @@ class EKFACInfluence:
         dtype: torch.dtype = torch.float32,
         layer_kinds: str | tuple[str, ...] = "all",
         loss: Measurement = summed_cross_entropy,
+        progress: bool = False,
         grad_worker_fraction: FractionSpec = DistributedStrategy.COMM_OPT,
     ) -> None:
         self.model = model
@@ -116,7 +119,7 @@ class EKFACInfluence:
         if not self.blocks:
             raise ValueError(f"model has no layer influence can track (kinds {layer_kinds!r})")
         self._factors = {name: BlockFit() for name in self.blocks}
-        self._observer = Observer(model, self.blocks)
+        self._observer = Observer(model, self.blocks, progress=progress)
         self._ranks = Ranks(self.blocks, {n: dense_sides(b) for n, b in self.blocks.items()},
                             grad_worker_fraction)
         self.generator = torch.Generator().manual_seed(seed + self._ranks.rank)
@@ -154,7 +157,7 @@ class EKFACInfluence:
         else:
             self._covariances(batches())
         with self._observer.installed():
-            for inputs, targets in batches():
+            for inputs, targets in self._observer.each(batches(), "Λ"):
                 calls = self._observer.run(inputs, self._fisher_loss(targets))
                 for name, parts in self._parts(calls, inputs.shape[0]).items():
                     f = self._factors[name]
@@ -207,7 +210,7 @@ class EKFACInfluence:
                               if not row_kind(b) and any(dense_sides(b))}
         try:
             with observer.installed():
-                for inputs, targets in batches:
+                for inputs, targets in observer.each(batches, "covariances"):
                     n = inputs.shape[0]
                     calls = observer.run(inputs, self._fisher_loss(targets))
                     for name in rowed:
@@ -319,7 +322,7 @@ class EKFACInfluence:
         per_block = self._preconditioned_queries(queries, measurement or self.loss)
         columns: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         with self._observer.installed():
-            for inputs, targets in train:
+            for inputs, targets in self._observer.each(train, "pairwise scores"):
                 calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
                 for name, parts in self._parts(calls, inputs.shape[0]).items():
                     g = _summed(p.matrices() if isinstance(p, Rows) else p for p in parts)
@@ -339,7 +342,7 @@ class EKFACInfluence:
         """:meth:`self_scores` per block: ``{block name: (n_train,)}``."""
         out: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         with self._observer.installed():
-            for inputs, targets in train:
+            for inputs, targets in self._observer.each(train, "self scores"):
                 calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
                 for name, parts in self._parts(calls, inputs.shape[0]).items():
                     rotated = self._factors[name].rotated(parts)
@@ -364,7 +367,7 @@ class EKFACInfluence:
         parts: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         count = 0
         with self._observer.installed():
-            for inputs, targets in queries:
+            for inputs, targets in self._observer.each(queries, "queries"):
                 calls = self._observer.run(inputs, partial(_flipped, measurement, targets))
                 count += inputs.shape[0]
                 for name, pieces in self._parts(calls, inputs.shape[0]).items():
@@ -416,16 +419,14 @@ class EKFACInfluence:
                          for name, entry in blocks.items()}
 
     def save(self, path: str | Path) -> None:
-        """Writes :meth:`state_dict` to ``path``."""
-        torch.save(self.state_dict(), Path(path))
+        """Writes :meth:`state_dict` to ``path`` (a directory: ``path/fit.pt``)."""
+        file = fit_file(path)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), file)
 
     def load(self, path: str | Path) -> None:
-        """Reads a :meth:`save` file (refused in one line when it is not one of this model)."""
-        try:
-            state = torch.load(Path(path), weights_only=True)
-        except Exception as error:  # a truncated or foreign file
-            raise ValueError(f"{path}: not an EKFACInfluence fit ({error})") from error
-        self.load_state_dict(state)
+        """Reads a :meth:`save` file or directory (a foreign one refused in one line)."""
+        self.load_state_dict(read(fit_file(path), "an EKFACInfluence fit"))
 
 
 def _combines(block: CurvatureBlock) -> bool:

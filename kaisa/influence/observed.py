@@ -11,8 +11,9 @@ batch factors as a training step would (:meth:`Observer.batch_factors`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,14 +26,18 @@ __all__ = ["Call", "Observer"]
 
 #: One observed call: its input, its output's gradient and its call site.
 Call = tuple[torch.Tensor, torch.Tensor, int]
+T = TypeVar("T")
 
 
 class Observer:
     """The core's hooks over ``blocks`` of ``model``, while :meth:`installed`."""
 
-    def __init__(self, model: nn.Module, blocks: Mapping[str, CurvatureBlock]) -> None:
+    def __init__(self, model: nn.Module, blocks: Mapping[str, CurvatureBlock], *,
+                 progress: bool = False) -> None:
         self.model = model
         self.blocks = dict(blocks)
+        #: Show a progress bar per pass (``tqdm``, on standard error).
+        self.progress = progress
         self._recorder: StatisticsRecorder | None = None
         self._calls: dict[str, list[Call]] = {}
         #: Blocks that also record the core's batch factors (:meth:`batch_factors`).
@@ -63,6 +68,19 @@ class Observer:
         if block.name in self.recording:  # the core's statistics, as in a training step
             block.record_input(x, in_hook=True, site=site)
             block.record_output_grad(d, 1.0, in_hook=True, inputs=x, site=site)
+
+    def each(self, batches: Iterable[T], what: str) -> Iterable[T]:
+        """``batches``, behind a progress bar named ``what`` when :attr:`progress` is set."""
+        if not self.progress:
+            return batches
+        try:
+            from tqdm import tqdm
+        except ImportError as error:
+            raise ImportError("progress=True needs tqdm: pip install tqdm") from error
+        total = len(batches) if isinstance(batches, Sized) else None
+        bar: Any = tqdm(batches, desc=f"influence: {what}", total=total, unit="batch",
+                        leave=False)
+        return bar  # type: ignore[no-any-return]
 
     def run(self, inputs: torch.Tensor, value: Callable[[torch.Tensor], torch.Tensor]
             ) -> dict[str, list[Call]]:

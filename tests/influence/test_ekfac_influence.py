@@ -274,3 +274,34 @@ def test_a_kind_the_core_records_scores_as_the_anchors_kind() -> None:
         scores.append(influence.pairwise_scores(_batches(query, 10), _batches(train, 50)))
     assert _rel(scores[0], scores[1]) < 1e-10
 
+
+
+def test_results_directory_fit_and_scores_and_progress(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """A fit and score sets saved to a directory and read back; a foreign score file
+    refused in one line; progress bars on standard error."""
+    from kaisa.influence import load_scores, save_scores
+
+    model, train, query = _digits()
+    influence = EKFACInfluence(model, fisher="empirical", dtype=F64, progress=True)
+    influence.fit(lambda: iter(_batches(train, 50)))
+    scores = influence.pairwise_scores(_batches(query, 10), _batches(train, 50))
+    assert "influence: covariances" in capsys.readouterr().err
+    influence.save(tmp_path / "run")
+    assert (tmp_path / "run" / "fit.pt").is_file()
+    path = save_scores(tmp_path / "run", "pairwise", scores, {"damping": None})
+    save_scores(tmp_path / "run", "blocks", {"0": scores, "2": scores})
+    again = EKFACInfluence(model, dtype=F64)
+    again.load(tmp_path / "run")
+    assert torch.equal(again.pairwise_scores(_batches(query, 10), _batches(train, 50)), scores)
+    assert torch.equal(load_scores(tmp_path / "run", "pairwise"), scores)  # type: ignore[arg-type]
+    assert set(load_scores(tmp_path / "run", "blocks")) == {"0", "2"}  # type: ignore[arg-type]
+    assert '"shape"' in path.with_suffix(".json").read_text()
+    torch.save([1, 2], tmp_path / "run" / "junk.pt")
+    with pytest.raises(ValueError, match="not an influence score set"):
+        load_scores(tmp_path / "run", "junk")
+    with pytest.raises(ValueError, match="missing.pt: not an influence score set"):
+        load_scores(tmp_path / "run", "missing")
+    with pytest.raises(ValueError, match="score set name"):
+        save_scores(tmp_path, "../escape", scores)
