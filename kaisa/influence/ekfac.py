@@ -37,7 +37,8 @@ from kaisa.influence.fit import BlockFit, dense_sides, matrix_shape
 from kaisa.influence.observed import Call, Observer
 from kaisa.influence.ranks import Ranks
 from kaisa.influence.results import fit_file, read
-from kaisa.influence.rows import Rows, basis, call_part, row_kind, scorable
+from kaisa.influence.rows import Part, Rows, Unreached, basis, call_part, row_kind, scorable
+from kaisa.influence.scores import Queries, token_terms
 from kaisa.utils.enums import DistributedStrategy, Side
 
 __all__ = ["EKFACInfluence", "Fisher"]
@@ -300,7 +301,8 @@ class EKFACInfluence:
 
     # ------------------------------------------------------------------ scores
     def pairwise_scores(self, queries: Iterable[Batch], train: Iterable[Batch], *,
-                        measurement: Measurement | None = None) -> torch.Tensor:
+                        measurement: Measurement | None = None,
+                        query_rank: int | None = None) -> torch.Tensor:
         """``(n_query, n_train)`` scores, summed over blocks (:meth:`block_pairwise_scores`).
 
         Each query's preconditioned gradient against each training example's gradient
@@ -311,25 +313,47 @@ class EKFACInfluence:
             train: The training examples' batches, in order.
             measurement: ``(outputs, targets) -> summed scalar`` of the queries; their
                 summed loss by default.
+            query_rank: Keep each preconditioned query gradient matrix as its rank-``k``
+                truncation (``k (rows + columns)`` numbers instead of ``rows x columns``;
+                Kronfluence's ``query_gradient_low_rank``); ``None``: whole.
         """
-        parts = self.block_pairwise_scores(queries, train, measurement=measurement)
+        parts = self.block_pairwise_scores(queries, train, measurement=measurement,
+                                           query_rank=query_rank)
         return torch.stack(list(parts.values())).sum(0)
 
     def block_pairwise_scores(self, queries: Iterable[Batch], train: Iterable[Batch], *,
-                              measurement: Measurement | None = None
-                              ) -> dict[str, torch.Tensor]:
+                              measurement: Measurement | None = None,
+                              query_rank: int | None = None) -> dict[str, torch.Tensor]:
         """:meth:`pairwise_scores` per block: ``{block name: (n_query, n_train)}``."""
-        per_block = self._preconditioned_queries(queries, measurement or self.loss)
+        per_block = self._preconditioned_queries(queries, measurement or self.loss, query_rank)
         columns: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         with self._observer.installed():
             for inputs, targets in self._observer.each(train, "pairwise scores"):
                 calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
                 for name, parts in self._parts(calls, inputs.shape[0]).items():
-                    g = _summed(p.matrices() if isinstance(p, Rows) else p for p in parts)
-                    columns[name].append(per_block[name].flatten(1) @ g.flatten(1).T)
-        return {name: self._ranks.gathered(torch.cat(parts, dim=1) if parts else
-                               per_block[name].new_zeros(len(per_block[name]), 0))
-                for name, parts in columns.items()}
+                    g = _summed(p.matrices() for p in parts)
+                    columns[name].append(per_block[name].dense().flatten(1) @ g.flatten(1).T)
+        return {name: self._ranks.gathered(torch.cat(parts, dim=1)) for name, parts
+                in columns.items()}
+
+    def token_scores(self, queries: Iterable[Batch], train: Iterable[Batch], *,
+                     measurement: Measurement | None = None,
+                     query_rank: int | None = None) -> torch.Tensor:
+        """``(n_query, n_train, positions)``: each training example's score by token.
+
+        The terms of :meth:`pairwise_scores` of each row of each layer's calls (its
+        positions, for a sequence model), summed over layers; they sum to the pairwise
+        scores. Every scored layer's rows must be the same positions.
+        """
+        per_block = self._preconditioned_queries(queries, measurement or self.loss, query_rank)
+        columns: list[torch.Tensor] = []
+        with self._observer.installed():
+            for inputs, targets in self._observer.each(train, "token scores"):
+                calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
+                dense = {name: q.dense() for name, q in per_block.items()}
+                columns.append(token_terms(self._parts(calls, inputs.shape[0]), dense))
+        local = torch.cat(columns, dim=1)  # (Q, n, R): gathered along the examples
+        return self._ranks.gathered(local.transpose(1, 2)).transpose(1, 2)
 
     def self_scores(self, train: Iterable[Batch]) -> torch.Tensor:
         """``(n_train,)``: each example's preconditioned gradient against itself.
@@ -357,14 +381,15 @@ class EKFACInfluence:
             return float(self.damping)
         return float(HEURISTIC_DAMPING * self._factors[name].lam().mean())
 
-    def _preconditioned_queries(self, queries: Iterable[Batch],
-                                measurement: Measurement) -> dict[str, torch.Tensor]:
+    def _preconditioned_queries(self, queries: Iterable[Batch], measurement: Measurement,
+                                rank: int | None) -> dict[str, Queries]:
         """Per block, ``P(G_q)`` of every query ``(n_query, groups, rows, columns)``.
 
-        Computed by the block's gradient workers, sent to the other ranks
-        (:meth:`Ranks.spread`).
+        Computed by the block's gradient workers, batch by batch (truncated to ``rank``
+        there), then sent to the other ranks (:meth:`Ranks.spread`).
         """
-        parts: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
+        Queries.of(torch.zeros(1, 1, 1, 1), rank)  # a bad rank refused before any pass
+        parts: dict[str, list[Queries]] = {name: [] for name in self.blocks}
         count = 0
         with self._observer.installed():
             for inputs, targets in self._observer.each(queries, "queries"):
@@ -373,13 +398,19 @@ class EKFACInfluence:
                 for name, pieces in self._parts(calls, inputs.shape[0]).items():
                     if self._ranks.computes(name):
                         f = self._factors[name]
-                        parts[name].append(
-                            f.rotate_back(f.rotated(pieces) * self._inverse(name)))
+                        p = f.rotate_back(f.rotated(pieces) * self._inverse(name))
+                        parts[name].append(Queries.of(p, rank))
         if count == 0:
             raise ValueError("no query: the query batches are empty")
-        mine = {name: torch.cat(p) if p else None for name, p in parts.items()}
-        shapes = {name: (count, *matrix_shape(b)) for name, b in self.blocks.items()}
-        return self._ranks.spread(mine, shapes, self.dtype, self._device)
+        out: dict[str, Queries] = {}
+        for field in ("whole",) if rank is None else ("left", "right"):
+            mine = {name: torch.cat([getattr(q, field) for q in qs]) if qs else None
+                    for name, qs in parts.items()}
+            shapes = {name: _query_shape(count, matrix_shape(b), field, rank)
+                      for name, b in self.blocks.items()}
+            for name, t in self._ranks.spread(mine, shapes, self.dtype, self._device).items():
+                setattr(out.setdefault(name, Queries()), field, t)
+        return out
 
     def _inverse(self, name: str) -> torch.Tensor:
         """``1 / (Λ + λ)`` of block ``name``."""
@@ -388,18 +419,18 @@ class EKFACInfluence:
         return 1.0 / (self._factors[name].lam() + self.block_damping(name))
 
     def _parts(self, calls: Mapping[str, list[Call]], examples: int
-               ) -> dict[str, list[torch.Tensor | Rows]]:
+               ) -> dict[str, list[Part]]:
         """Per block, the examples' parts of its gradient from each of its calls.
 
         A block the pass did not reach (no call) has zero gradients.
         """
-        out: dict[str, list[torch.Tensor | Rows]] = {}
+        out: dict[str, list[Part]] = {}
         for name, block in self.blocks.items():
             seen = calls.get(name, [])
             out[name] = [call_part(block, x, d, site, examples, self.dtype)
-                         for x, d, site in seen] or [
+                         for x, d, site in seen] or [Unreached(
                 torch.zeros(examples, *matrix_shape(block), dtype=self.dtype,
-                            device=self._device)]
+                            device=self._device))]
         return out
 
     # ------------------------------------------------------------------ saving
@@ -427,6 +458,16 @@ class EKFACInfluence:
     def load(self, path: str | Path) -> None:
         """Reads a :meth:`save` file or directory (a foreign one refused in one line)."""
         self.load_state_dict(read(fit_file(path), "an EKFACInfluence fit"))
+
+
+def _query_shape(count: int, shape: tuple[int, ...], field: str, rank: int | None
+                 ) -> tuple[int, ...]:
+    """The shape of ``count`` queries' ``field`` (:class:`Queries`) of a block's matrices."""
+    groups, rows, cols = shape
+    if field == "whole" or rank is None:
+        return count, groups, rows, cols
+    k = min(rank, rows, cols)
+    return (count, groups, rows, k) if field == "left" else (count, groups, k, cols)
 
 
 def _combines(block: CurvatureBlock) -> bool:

@@ -86,7 +86,7 @@ class BlockFit:
             if isinstance(part, Rows) and self._rows_first(part):
                 rotated = Rows(a=_times(part.a, self.qa), g=_times(part.g, self.qs)).matrices()
             else:
-                rotated = self.rotate(part.matrices() if isinstance(part, Rows) else part)
+                rotated = self.rotate(part.matrices())
             total = rotated if total is None else total + rotated
         assert total is not None
         return total

@@ -11,8 +11,12 @@ parts of the block's gradient matrix ``(groups, rows, columns)``
   (a column of ones last in ``a`` when the block has a bias; ``unfold`` patches for a
   convolution; for the head of a tied weight, in the embedding's orientation, the
   logits' gradient is ``a`` and the head's input ``g``);
-* or the examples' matrices themselves ``(N, groups, rows, columns)`` (an embedding's
-  vocabulary side, a norm's scale and shift).
+* an embedding's use (:class:`Indexed`): each row's output gradient added at its
+  index's column;
+* a norm's scale and shift (:class:`Elementwise`): each row's ``[xhat d; d]``.
+
+Each part also gives every row's own term of a score (:meth:`Rows.per_row`): per-token
+scores.
 
 ``docs/conventions.md``, "Influence", is the math.
 """
@@ -34,8 +38,8 @@ from kaisa.blocks.experts import ExpertBlock
 from kaisa.blocks.scale_shift import ScaleShiftBlock
 from kaisa.blocks.tied import HEAD_SITE, TiedEmbeddingBlock
 
-__all__ = ["Rows", "basis", "call_part", "evaluating", "row_kind", "running_factors",
-           "scorable"]
+__all__ = ["Elementwise", "Indexed", "Part", "Rows", "Unreached", "basis", "call_part",
+           "evaluating", "row_kind", "running_factors", "scorable"]
 
 
 @dataclass
@@ -49,9 +53,71 @@ class Rows:
         """``(N, groups, rows, columns)``."""
         return torch.einsum("nkro,nkri->nkoi", self.g, self.a)
 
+    def per_row(self, p: torch.Tensor) -> torch.Tensor:
+        """``<P_q, g_r a_r^T>`` of matrices ``p`` ``(Q, groups, rows, columns)``: ``(Q, N, R)``."""
+        return torch.einsum("qkoi,nkri,nkro->qnr", p, self.a, self.g)
+
+
+@dataclass
+class Indexed:
+    """An embedding's use: each row adds its output gradient at its index's column."""
+
+    index: torch.Tensor  # (N, R) vocabulary indices
+    g: torch.Tensor  # (N, R, E)
+    vocabulary: int
+    padding_idx: int | None
+
+    def _kept(self) -> torch.Tensor:
+        """``g`` with the padding rows zero (they give no gradient)."""
+        if self.padding_idx is None:
+            return self.g
+        return self.g * (self.index != self.padding_idx).unsqueeze(-1).to(self.g.dtype)
+
+    def matrices(self) -> torch.Tensor:
+        """``(N, 1, E, V)``."""
+        n, width = self.g.shape[0], self.g.shape[-1]
+        cols = self.index.unsqueeze(1).expand(n, width, -1)
+        out = self.g.new_zeros(n, width, self.vocabulary)
+        return out.scatter_add_(2, cols, self._kept().mT).unsqueeze(1)
+
+    def per_row(self, p: torch.Tensor) -> torch.Tensor:
+        """``<P_q, g_r e_r^T>``: each row's gradient against its index's column of ``p``."""
+        columns = p[:, 0][:, :, self.index]  # (Q, E, N, R)
+        return torch.einsum("qenr,nre->qnr", columns, self._kept())
+
+
+@dataclass
+class Elementwise:
+    """A norm's scale and shift: each row's gradient ``[xhat d; d]`` ``(N, R, P, E)``."""
+
+    rows: torch.Tensor
+
+    def matrices(self) -> torch.Tensor:
+        """``(N, 1, P, E)``."""
+        return self.rows.sum(1).unsqueeze(1)
+
+    def per_row(self, p: torch.Tensor) -> torch.Tensor:
+        """``<P_q, row>``: ``(Q, N, R)``."""
+        return torch.einsum("nrpe,qpe->qnr", self.rows, p[:, 0])
+
+
+@dataclass
+class Unreached:
+    """A block the pass did not reach: zero gradients ``(N, groups, rows, columns)``."""
+
+    zeros: torch.Tensor
+
+    def matrices(self) -> torch.Tensor:
+        """The zeros."""
+        return self.zeros
+
+    def per_row(self, p: torch.Tensor) -> torch.Tensor:
+        """Zero terms ``(Q, N, 1)`` (broadcast over any rows)."""
+        return p.new_zeros(p.shape[0], self.zeros.shape[0], 1)
+
 
 #: One call's part of the examples' gradient matrices.
-Part = Rows | torch.Tensor
+Part = Rows | Indexed | Elementwise | Unreached
 
 
 def scorable(block: CurvatureBlock) -> bool:
@@ -126,18 +192,15 @@ def _conv(block: Conv2dBlock, x: torch.Tensor, d: torch.Tensor) -> Rows:
     return Rows(a=a, g=g)
 
 
-def _embedding(block: EmbeddingBlock, index: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``(N, 1, E, V)``: each example's output gradients added at its indices' columns."""
-    n, width = index.shape[0], d.shape[-1]
-    cols = index.reshape(n, 1, -1).expand(n, width, -1)
-    out = d.new_zeros(n, width, block.dims[0]).scatter_add_(2, cols, d.reshape(n, -1, width).mT)
-    if block.padding_idx is not None:  # no gradient from the embedding's own use
-        out[:, :, block.padding_idx] = 0
-    return out.unsqueeze(1)
+def _embedding(block: EmbeddingBlock, index: torch.Tensor, d: torch.Tensor) -> Indexed:
+    """Each row's output gradient at its index (the padding index gives none)."""
+    n = index.shape[0]
+    return Indexed(index=index.reshape(n, -1), g=d.reshape(n, -1, d.shape[-1]),
+                   vocabulary=block.dims[0], padding_idx=block.padding_idx)
 
 
-def _scale_shift(block: ScaleShiftBlock, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``(N, 1, P, E)``: each example's ``[sum xhat d; sum d]`` over its rows."""
+def _scale_shift(block: ScaleShiftBlock, x: torch.Tensor, d: torch.Tensor) -> Elementwise:
+    """Each row's ``[xhat d; d]`` ``(N, R, P, E)``."""
     n, module = x.shape[0], block.module
     running = getattr(module, "running_mean", None)
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and running is not None and not (
@@ -149,10 +212,10 @@ def _scale_shift(block: ScaleShiftBlock, x: torch.Tensor, d: torch.Tensor) -> to
     else:
         xhat = block.normalized(x)
     grads = block._grad_rows(d).reshape(n, -1, block.weight.numel())
-    parts = [(xhat.reshape(grads.shape) * grads).sum(1)]
+    parts = [xhat.reshape(grads.shape) * grads]
     if block.has_bias:
-        parts.append(grads.sum(1))
-    return torch.stack(parts, dim=1).unsqueeze(1)
+        parts.append(grads)
+    return Elementwise(rows=torch.stack(parts, dim=2))
 
 
 @contextmanager

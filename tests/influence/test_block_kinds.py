@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa.influence import EKFACInfluence
-from kaisa.influence.rows import Rows
 from kaisa.train.models.gpt import gpt
 from tests.influence.test_anchor import _rel
 
@@ -94,7 +93,7 @@ def test_every_kinds_example_gradients_equal_one_pass_per_example(net: str) -> N
     inputs, targets = batches[0]
     with influence._observer.installed():
         calls = influence._observer.run(inputs, lambda out: _loss(out, targets))
-        got = {name: sum(p.matrices() if isinstance(p, Rows) else p for p in parts)
+        got = {name: sum(p.matrices() for p in parts)
                for name, parts in influence._parts(calls, len(inputs)).items()}
     model.eval()
     for name, expected in _loop(influence, batches[0]).items():
@@ -156,3 +155,56 @@ def test_the_core_kinds_bases_are_the_products_factors() -> None:
     kinds = {type(b).__name__ for b in seeded.blocks.values()}
     assert {"AttentionBlock", "TiedEmbeddingBlock", "LinearBlock"} <= kinds
     assert _rel(seeded.pairwise_scores(one, batches), fit.pairwise_scores(one, batches)) < 1e-8
+
+
+@pytest.mark.parametrize("net", sorted(MODELS))
+def test_token_scores_are_each_rows_terms_and_sum_to_the_pairwise_scores(net: str) -> None:
+    """Per-token scores: every layer's rows are the same positions (the GPT's tokens; the
+    convolutional net's rows differ, refused in one line)."""
+    model, batches = MODELS[net]()
+    influence = EKFACInfluence(model, fisher="empirical", dtype=F64)
+    influence.fit(lambda: iter(batches))
+    if net == "convs":
+        with pytest.raises(ValueError, match="rows to be the same positions"):
+            influence.token_scores(batches[:1], batches)
+        return
+    tokens = influence.token_scores(batches[:1], batches)
+    assert tokens.shape == (8, 30, 12)
+    assert _rel(tokens.sum(-1), influence.pairwise_scores(batches[:1], batches)) < 1e-10
+    # one Linear block's terms against g_r^T P a_r written out
+    p = influence._preconditioned_queries(batches[:1], _loss, None)["blocks.0.linear1"].dense()
+    inputs, targets = batches[1]
+    with influence._observer.installed():
+        calls = influence._observer.run(inputs, lambda out: _loss(out, targets))
+    (x, d, _), = calls["blocks.0.linear1"]
+    a = torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=F64)], dim=-1)  # (8, 12, 17)
+    want = torch.einsum("qoi,nri,nro->qnr", p[:, 0], a, d)
+    parts = influence._parts({"blocks.0.linear1": calls["blocks.0.linear1"]}, 8)
+    got = parts["blocks.0.linear1"][0].per_row(p)
+    assert _rel(got, want) < 1e-12
+
+
+def test_low_rank_queries_score_the_truncated_matrices() -> None:
+    model, batches = _gpt()
+    influence = EKFACInfluence(model, fisher="empirical", dtype=F64)
+    influence.fit(lambda: iter(batches))
+    exact = influence.pairwise_scores(batches[:1], batches)
+    assert _rel(influence.pairwise_scores(batches[:1], batches, query_rank=256), exact) < 1e-10
+    whole = influence._preconditioned_queries(batches[:1], _loss, None)
+    want = torch.zeros(8, 30, dtype=F64)
+    for name, q in whole.items():
+        u, s, vh = torch.linalg.svd(q.dense(), full_matrices=False)
+        truncated = u[..., :2] * s[..., None, :2] @ vh[..., :2, :]
+        grads = torch.cat([sum(p.matrices() for p in influence._parts(
+            _calls(influence, b), len(b[0]))[name]) for b in batches])  # type: ignore[misc]
+        want += truncated.flatten(1) @ grads.flatten(1).T
+    got = influence.pairwise_scores(batches[:1], batches, query_rank=2)
+    assert _rel(got, want) < 1e-10 and _rel(got, exact) > 1e-3
+    with pytest.raises(ValueError, match="query_rank must be a positive integer"):
+        influence.pairwise_scores(batches[:1], batches, query_rank=0)
+
+
+def _calls(influence: EKFACInfluence, batch: Batch) -> dict[str, list[tuple[torch.Tensor, ...]]]:
+    inputs, targets = batch
+    with influence._observer.installed():
+        return influence._observer.run(inputs, lambda out: _loss(out, targets))  # type: ignore[return-value]

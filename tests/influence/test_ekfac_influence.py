@@ -301,7 +301,7 @@ def test_results_directory_fit_and_scores_and_progress(tmp_path: Path,
     torch.save([1, 2], tmp_path / "run" / "junk.pt")
     with pytest.raises(ValueError, match="not an influence score set"):
         load_scores(tmp_path / "run", "junk")
-    with pytest.raises(ValueError, match="missing.pt: not an influence score set"):
+    with pytest.raises(ValueError, match=r"missing\.pt: not an influence score set"):
         load_scores(tmp_path / "run", "missing")
     with pytest.raises(ValueError, match="score set name"):
         save_scores(tmp_path, "../escape", scores)
