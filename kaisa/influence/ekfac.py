@@ -30,16 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa import ops
-from kaisa.blocks import CurvatureBlock, register_blocks
+from kaisa.blocks import register_blocks
 from kaisa.core.coverage import FIRST_ORDER
 from kaisa.distributed.strategy import FractionSpec
-from kaisa.influence.fit import BlockFit, dense_sides, matrix_shape
+from kaisa.influence.fit import BlockFit, decompose, dense_sides, matrix_shape, seeded
 from kaisa.influence.observed import Call, Observer
 from kaisa.influence.ranks import Ranks
 from kaisa.influence.results import fit_file, read
-from kaisa.influence.rows import Part, Rows, Unreached, basis, call_part, row_kind, scorable
-from kaisa.influence.scores import Queries, token_terms
-from kaisa.utils.enums import DistributedStrategy, Side
+from kaisa.influence.rows import Part, Rows, Unreached, call_part, row_kind, scorable
+from kaisa.influence.scores import Queries, query_shape, token_terms
+from kaisa.utils.enums import DistributedStrategy
 
 __all__ = ["EKFACInfluence", "Fisher"]
 
@@ -154,7 +154,7 @@ class EKFACInfluence:
             ValueError: ``factors`` miss a block or have another shape; nothing is fitted.
         """
         if factors is not None:
-            self._seed(factors)
+            self._factors = seeded(self.blocks, factors, self.dtype)
         else:
             self._covariances(batches())
         with self._observer.installed():
@@ -177,32 +177,11 @@ class EKFACInfluence:
             if examples == 0:
                 raise ValueError("the training set is empty (the Λ pass saw no example)")
 
-    def _seed(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The bases from a training run's running factors (checked first)."""
-        seeded = {}
-        for name, block in self.blocks.items():
-            dense, dims = dense_sides(block), block.dims
-            pair = factors.get(name)
-            if not any(dense):
-                seeded[name] = BlockFit(based=True)
-                continue
-            want = [(block.groups, n, n) for n in dims]
-            if pair is None or any(
-                    d and tuple(t.reshape(-1, *t.shape[-2:]).shape if t.dim() >= 2 else
-                                t.shape) != w for d, t, w in zip(dense, pair, want, strict=True)):
-                raise ValueError(f"the running factors of layer {name!r} are not "
-                                 f"{dims[0]}x{dims[0]} and {dims[1]}x{dims[1]} (another "
-                                 "model, or blocks without a bias column?)")
-            qa, qs = (basis(t.reshape(w)).to(self.dtype) if d else None
-                      for d, t, w in zip(dense, pair, want, strict=True))
-            seeded[name] = BlockFit(qa=qa, qs=qs, based=True)
-        self._factors = seeded
-
     def _covariances(self, batches: Iterable[Batch]) -> None:
         """Steps 1 and 2: the factor pass and the bases.
 
         The anchor's kinds from their rows; the others from the core's batch factors
-        (:mod:`kaisa.influence.recorded`), in the same forward and backward pass.
+        (:meth:`Observer.batch_factors`), in the same forward and backward pass.
         """
         self._factors = {name: BlockFit() for name in self.blocks}
         rowed = [name for name, b in self.blocks.items() if row_kind(b)]
@@ -219,65 +198,20 @@ class EKFACInfluence:
                             part = call_part(self.blocks[name], x, d, site, n, self.dtype)
                             assert isinstance(part, Rows)
                             a2, g2 = part.a.flatten(0, 2), part.g.flatten(0, 2)
-                            self._add(name, ops.covariance(a2, 1.0)[None],
-                                      ops.covariance(g2, 1.0)[None], a2.shape[0])
+                            self._factors[name].add(
+                                self.blocks[name], ops.covariance(a2, 1.0)[None],
+                                ops.covariance(g2, 1.0)[None], a2.shape[0], self.dtype)
                     for name, (a_batch, g_batch) in observer.batch_factors().items():
-                        self._add(name, None if a_batch is None else a_batch * n,
-                                  None if g_batch is None else g_batch * n, n)
+                        self._factors[name].add(
+                            self.blocks[name], None if a_batch is None else a_batch * n,
+                            None if g_batch is None else g_batch * n, n, self.dtype)
         finally:
             observer.recording = set()
         self._sum_and_decompose()
 
-    def _add(self, name: str, a: torch.Tensor | None, s: torch.Tensor | None,
-             rows: int) -> None:
-        """Adds one batch's sums of a block (its dense sides) and their rows."""
-        f, (dense_a, dense_s) = self._factors[name], dense_sides(self.blocks[name])
-        if dense_a and a is not None:
-            f.a_sum = a.to(self.dtype) if f.a_sum is None else f.a_sum.add_(a)
-        if dense_s and s is not None:
-            f.s_sum = s.to(self.dtype) if f.s_sum is None else f.s_sum.add_(s)
-        f.rows += rows
-
     def _sum_and_decompose(self) -> None:
         """The sums over the ranks, then each block's bases (step 2)."""
-        sums: list[torch.Tensor] = []
-        counts: list[int] = []
-        for name, f in self._factors.items():
-            block = self.blocks[name]
-            for dense, n, attr in zip(dense_sides(block), block.dims, ("a_sum", "s_sum"),
-                                      strict=True):
-                if not dense:
-                    continue
-                if getattr(f, attr) is None:  # no data on this rank: zeros to sum
-                    stack = len(block.call_sites()) if _combines(block) else block.groups
-                    setattr(f, attr, torch.zeros(stack, n, n, dtype=self.dtype,
-                                                 device=self._device))
-                sums.append(getattr(f, attr))
-                counts.append(f.rows)
-        totals = iter(self._ranks.summed(sums, counts))
-        for name, f in self._factors.items():
-            dense_a, dense_s = dense_sides(self.blocks[name])
-            if dense_a:
-                f.a_sum, f.rows = next(totals)
-            if dense_s:
-                f.s_sum, f.rows = next(totals)
-            if (dense_a or dense_s) and f.rows == 0:
-                raise ValueError(f"layer {name!r} saw no data in the factor pass (is it "
-                                 "used by the model's forward?)")
-        wanted: dict[tuple[str, Side], Callable[[], torch.Tensor]] = {}
-        shapes: dict[tuple[str, Side], tuple[int, ...]] = {}
-        for name, f in self._factors.items():
-            block = self.blocks[name]
-            a, s = (None if t is None else t / f.rows for t in (f.a_sum, f.s_sum))
-            if _combines(block):  # a tied weight's uses, combined once over everything
-                a, s = block.combine(a, s)
-            for side, mean, n in ((Side.A, a, block.dims[0]), (Side.G, s, block.dims[1])):
-                if mean is not None:
-                    wanted[name, side] = partial(basis, mean)
-                    shapes[name, side] = (block.groups, n, n)
-        bases = self._ranks.bases(wanted, shapes, self.dtype, self._device)
-        for name, f in self._factors.items():
-            f.qa, f.qs, f.based = bases.get((name, Side.A)), bases.get((name, Side.G)), True
+        decompose(self._factors, self.blocks, self._ranks, self.dtype, self._device)
 
     def _fisher_loss(self, targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The pass's loss of the outputs: with the targets, or labels drawn from them."""
@@ -406,7 +340,7 @@ class EKFACInfluence:
         for field in ("whole",) if rank is None else ("left", "right"):
             mine = {name: torch.cat([getattr(q, field) for q in qs]) if qs else None
                     for name, qs in parts.items()}
-            shapes = {name: _query_shape(count, matrix_shape(b), field, rank)
+            shapes = {name: query_shape(count, matrix_shape(b), field, rank)
                       for name, b in self.blocks.items()}
             for name, t in self._ranks.spread(mine, shapes, self.dtype, self._device).items():
                 setattr(out.setdefault(name, Queries()), field, t)
@@ -458,21 +392,6 @@ class EKFACInfluence:
     def load(self, path: str | Path) -> None:
         """Reads a :meth:`save` file or directory (a foreign one refused in one line)."""
         self.load_state_dict(read(fit_file(path), "an EKFACInfluence fit"))
-
-
-def _query_shape(count: int, shape: tuple[int, ...], field: str, rank: int | None
-                 ) -> tuple[int, ...]:
-    """The shape of ``count`` queries' ``field`` (:class:`Queries`) of a block's matrices."""
-    groups, rows, cols = shape
-    if field == "whole" or rank is None:
-        return count, groups, rows, cols
-    k = min(rank, rows, cols)
-    return (count, groups, rows, k) if field == "left" else (count, groups, k, cols)
-
-
-def _combines(block: CurvatureBlock) -> bool:
-    """Whether the block's batch factors are its uses', combined (a tied weight)."""
-    return type(block).combine is not CurvatureBlock.combine
 
 
 def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

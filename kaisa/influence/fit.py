@@ -8,17 +8,19 @@ both sides of a diagonal kind) keeps ``None``: the identity (``docs/conventions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from kaisa.blocks import CurvatureBlock
-from kaisa.influence.rows import Part, Rows
+from kaisa.influence.ranks import Ranks
+from kaisa.influence.rows import Part, Rows, basis
 from kaisa.utils.enums import Side
 
-__all__ = ["BlockFit", "dense_sides", "matrix_shape"]
+__all__ = ["BlockFit", "combines", "decompose", "dense_sides", "matrix_shape", "seeded"]
 
 
 def dense_sides(block: CurvatureBlock) -> tuple[bool, bool]:
@@ -99,6 +101,16 @@ class BlockFit:
                                   + (cols if self.qa is not None else 0))
         return by_rows < by_matrix
 
+    def add(self, block: CurvatureBlock, a: torch.Tensor | None, s: torch.Tensor | None,
+            rows: int, dtype: torch.dtype) -> None:
+        """Adds one batch's sums of ``block`` (its dense sides) and their rows."""
+        dense_a, dense_s = dense_sides(block)
+        if dense_a and a is not None:
+            self.a_sum = a.to(dtype) if self.a_sum is None else self.a_sum.add_(a)
+        if dense_s and s is not None:
+            self.s_sum = s.to(dtype) if self.s_sum is None else self.s_sum.add_(s)
+        self.rows += rows
+
     def entry(self) -> dict[str, Any]:
         """What a saved fit keeps of the block (bases only where they are not identity)."""
         entry: dict[str, Any] = {"lam_sum": self.lam_sum, "examples": self.examples,
@@ -128,3 +140,82 @@ class BlockFit:
                   for k in ("qa", "qs"))
         return cls(qa=qa, qs=qs, lam_sum=fields["lam_sum"].to(dtype, copy=True),
                    examples=int(fields["examples"]), rows=int(fields["rows"]), based=True)
+
+
+def combines(block: CurvatureBlock) -> bool:
+    """Whether the block's batch factors are its uses', combined (a tied weight)."""
+    return type(block).combine is not CurvatureBlock.combine
+
+
+def seeded(blocks: Mapping[str, CurvatureBlock],
+           factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+           ) -> dict[str, BlockFit]:
+    """The fits whose bases are a training run's running factors' (checked first).
+
+    Raises:
+        ValueError: A block's factors are missing or of another shape.
+    """
+    out = {}
+    for name, block in blocks.items():
+        dense, dims = dense_sides(block), block.dims
+        pair = factors.get(name)
+        if not any(dense):
+            out[name] = BlockFit(based=True)
+            continue
+        want = [(block.groups, n, n) for n in dims]
+        if pair is None or any(
+                d and tuple(t.reshape(-1, *t.shape[-2:]).shape if t.dim() >= 2 else
+                            t.shape) != w for d, t, w in zip(dense, pair, want, strict=True)):
+            raise ValueError(f"the running factors of layer {name!r} are not "
+                             f"{dims[0]}x{dims[0]} and {dims[1]}x{dims[1]} (another "
+                             "model, or blocks without a bias column?)")
+        qa, qs = (basis(t.reshape(w)).to(dtype) if d else None
+                  for d, t, w in zip(dense, pair, want, strict=True))
+        out[name] = BlockFit(qa=qa, qs=qs, based=True)
+    return out
+
+
+def decompose(fits: Mapping[str, BlockFit], blocks: Mapping[str, CurvatureBlock],
+              ranks: Ranks, dtype: torch.dtype, device: torch.device) -> None:
+    """The fits' sums over the ranks, then their bases, each computed on its placed rank.
+
+    Raises:
+        ValueError: A block saw no data in the factor pass.
+    """
+    sums: list[torch.Tensor] = []
+    counts: list[int] = []
+    for name, f in fits.items():
+        block = blocks[name]
+        for dense, n, attr in zip(dense_sides(block), block.dims, ("a_sum", "s_sum"),
+                                  strict=True):
+            if not dense:
+                continue
+            if getattr(f, attr) is None:  # no data on this rank: zeros to sum
+                stack = len(block.call_sites()) if combines(block) else block.groups
+                setattr(f, attr, torch.zeros(stack, n, n, dtype=dtype, device=device))
+            sums.append(getattr(f, attr))
+            counts.append(f.rows)
+    totals = iter(ranks.summed(sums, counts))
+    for name, f in fits.items():
+        dense_a, dense_s = dense_sides(blocks[name])
+        if dense_a:
+            f.a_sum, f.rows = next(totals)
+        if dense_s:
+            f.s_sum, f.rows = next(totals)
+        if (dense_a or dense_s) and f.rows == 0:
+            raise ValueError(f"layer {name!r} saw no data in the factor pass (is it "
+                             "used by the model's forward?)")
+    wanted: dict[tuple[str, Side], Callable[[], torch.Tensor]] = {}
+    shapes: dict[tuple[str, Side], tuple[int, ...]] = {}
+    for name, f in fits.items():
+        block = blocks[name]
+        a, s = (None if t is None else t / f.rows for t in (f.a_sum, f.s_sum))
+        if combines(block):  # a tied weight's uses, combined once over everything
+            a, s = block.combine(a, s)
+        for side, mean, n in ((Side.A, a, block.dims[0]), (Side.G, s, block.dims[1])):
+            if mean is not None:
+                wanted[name, side] = partial(basis, mean)
+                shapes[name, side] = (block.groups, n, n)
+    bases = ranks.bases(wanted, shapes, dtype, device)
+    for name, f in fits.items():
+        f.qa, f.qs, f.based = bases.get((name, Side.A)), bases.get((name, Side.G)), True

@@ -18,7 +18,7 @@ import torch
 
 from kaisa.influence.rows import Part, Unreached
 
-__all__ = ["Queries", "token_terms"]
+__all__ = ["Queries", "query_shape", "token_terms"]
 
 #: Queries scored at once by :func:`token_terms` (bounds its intermediate products).
 TOKEN_CHUNK = 8
@@ -53,6 +53,16 @@ class Queries:
             return self.whole
         assert self.left is not None and self.right is not None
         return self.left @ self.right
+
+
+def query_shape(count: int, shape: tuple[int, ...], field: str, rank: int | None
+                ) -> tuple[int, ...]:
+    """The shape of ``count`` queries' ``field`` (:class:`Queries`) of a block's matrices."""
+    groups, rows, cols = shape
+    if field == "whole" or rank is None:
+        return count, groups, rows, cols
+    k = min(rank, rows, cols)
+    return (count, groups, rows, k) if field == "left" else (count, groups, k, cols)
 
 
 def token_terms(parts: Mapping[str, Sequence[Part]], queries: Mapping[str, torch.Tensor]
