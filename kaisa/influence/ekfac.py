@@ -20,7 +20,8 @@ order, on every rank (kaisa's communicator, :mod:`kaisa.distributed`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from kaisa.blocks import register_blocks
 from kaisa.core.coverage import FIRST_ORDER
 from kaisa.distributed.strategy import FractionSpec
 from kaisa.influence.fit import BlockFit, decompose, dense_sides, matrix_shape, seeded
-from kaisa.influence.observed import Call, Observer
+from kaisa.influence.observed import Inputs, Observer, Pass
 from kaisa.influence.ranks import Ranks
 from kaisa.influence.results import fit_file, read
 from kaisa.influence.rows import Part, Rows, Unreached, call_part, row_kind, scorable
@@ -43,10 +44,11 @@ from kaisa.utils.enums import DistributedStrategy
 
 __all__ = ["EKFACInfluence", "Fisher"]
 
-#: A batch: ``(inputs, targets)``; the model is called on ``inputs``.
-Batch = tuple[torch.Tensor, torch.Tensor]
+#: A batch: ``(inputs, targets)``; the model is called on ``inputs`` (a tensor), or on
+#: ``**inputs`` (keyword tensors: an ``attention_mask`` masks the positions).
+Batch = tuple[Inputs, torch.Tensor]
 #: ``(outputs, targets) -> summed scalar`` (a query's measurement).
-Measurement = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Measurement = Callable[[Any, torch.Tensor], torch.Tensor]
 
 #: Targets equal to this are padding: no loss, and no Fisher label is drawn for them.
 IGNORE_INDEX = -100
@@ -63,9 +65,19 @@ class Fisher(str, enum.Enum):
     EMPIRICAL = "empirical"
 
 
-def summed_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The summed cross-entropy over every position (no ``1/B``)."""
-    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1),
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits of a model's outputs: the tensor, or its ``logits`` (Hugging Face)."""
+    logits = getattr(outputs, "logits", outputs)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model's outputs are a {type(outputs).__name__} without logits; "
+                        "pass loss= to read them")
+    return logits
+
+
+def summed_cross_entropy(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy over every position (no ``1/B``); ``-100`` is ignored."""
+    logits = logits_of(outputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            reduction="sum")
 
 
@@ -83,6 +95,8 @@ class EKFACInfluence:
         dtype: Dtype of the statistics and scores (eigendecompositions run in float64).
         layer_kinds: Block kinds to track (``"linear"``, ``"conv2d"``, ``"conv1d"``,
             ``"attention"``, ``"embedding"``, ``"scale_shift"``), or ``"all"``.
+        skip: Patterns (``re.search``) of module, class or block names not to score
+            (e.g. a position embedding called once for the whole batch).
         loss: ``(outputs, targets) -> summed loss`` of a batch; the summed cross-entropy
             by default (the true Fisher draws classification labels for it).
         progress: Show a progress bar for each pass over batches (needs ``tqdm``).
@@ -101,6 +115,7 @@ class EKFACInfluence:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         layer_kinds: str | tuple[str, ...] = "all",
+        skip: Sequence[str] = (),
         loss: Measurement = summed_cross_entropy,
         progress: bool = False,
         grad_worker_fraction: FractionSpec = DistributedStrategy.COMM_OPT,
@@ -115,7 +130,8 @@ class EKFACInfluence:
         self._device = next(model.parameters()).device
         kinds = None if layer_kinds == "all" else (
             (layer_kinds,) if isinstance(layer_kinds, str) else tuple(layer_kinds))
-        blocks = register_blocks(model, kinds=kinds, factor_dtype=dtype)
+        blocks = register_blocks(model, kinds=kinds, factor_dtype=dtype,
+                                 skip=[re.compile(p) for p in skip])
         self.blocks = {name: b for name, b in blocks.items() if scorable(b)}
         if not self.blocks:
             raise ValueError(f"model has no layer influence can track (kinds {layer_kinds!r})")
@@ -159,12 +175,12 @@ class EKFACInfluence:
             self._covariances(batches())
         with self._observer.installed():
             for inputs, targets in self._observer.each(batches(), "Λ"):
-                calls = self._observer.run(inputs, self._fisher_loss(targets))
-                for name, parts in self._parts(calls, inputs.shape[0]).items():
+                passed = self._observer.run(inputs, self._fisher_loss(targets))
+                for name, parts in self._parts(passed).items():
                     f = self._factors[name]
                     square = f.rotated(parts).square().sum(0)
                     f.lam_sum = square if f.lam_sum is None else f.lam_sum.add_(square)
-                    f.examples += inputs.shape[0]
+                    f.examples += passed.examples
         for name, f in self._factors.items():
             if f.lam_sum is None:  # no data on this rank
                 f.lam_sum = torch.zeros(matrix_shape(self.blocks[name]), dtype=self.dtype,
@@ -191,17 +207,17 @@ class EKFACInfluence:
         try:
             with observer.installed():
                 for inputs, targets in observer.each(batches, "covariances"):
-                    n = inputs.shape[0]
-                    calls = observer.run(inputs, self._fisher_loss(targets))
+                    passed = observer.run(inputs, self._fisher_loss(targets))
                     for name in rowed:
-                        for x, d, site in calls[name]:
-                            part = call_part(self.blocks[name], x, d, site, n, self.dtype)
+                        for x, d, site in passed.calls[name]:
+                            part = call_part(self.blocks[name], x, d, site, passed.examples,
+                                             self.dtype)
                             assert isinstance(part, Rows)
-                            a2, g2 = part.a.flatten(0, 2), part.g.flatten(0, 2)
+                            a2, g2 = _kept_rows(part, passed.mask)
                             self._factors[name].add(
                                 self.blocks[name], ops.covariance(a2, 1.0)[None],
                                 ops.covariance(g2, 1.0)[None], a2.shape[0], self.dtype)
-                    for name, (a_batch, g_batch) in observer.batch_factors().items():
+                    for name, (a_batch, g_batch, n) in observer.batch_factors().items():
                         self._factors[name].add(
                             self.blocks[name], None if a_batch is None else a_batch * n,
                             None if g_batch is None else g_batch * n, n, self.dtype)
@@ -224,7 +240,7 @@ class EKFACInfluence:
         """The Fisher labels of a batch: its targets, or drawn from its outputs."""
         if self.fisher is Fisher.EMPIRICAL:
             return targets
-        logits = outputs.detach()
+        logits = logits_of(outputs).detach()
         probs = F.softmax(logits.reshape(-1, logits.shape[-1]).double(), dim=-1)
         # inverse-CDF draws, one uniform per position from the CPU generator
         uniform = torch.rand(probs.shape[0], 1, generator=self.generator, dtype=torch.float64)
@@ -263,8 +279,8 @@ class EKFACInfluence:
         columns: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         with self._observer.installed():
             for inputs, targets in self._observer.each(train, "pairwise scores"):
-                calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
-                for name, parts in self._parts(calls, inputs.shape[0]).items():
+                passed = self._observer.run(inputs, partial(_flipped, self.loss, targets))
+                for name, parts in self._parts(passed).items():
                     g = _summed(p.matrices() for p in parts)
                     columns[name].append(per_block[name].dense().flatten(1) @ g.flatten(1).T)
         return {name: self._ranks.gathered(torch.cat(parts, dim=1)) for name, parts
@@ -283,9 +299,9 @@ class EKFACInfluence:
         columns: list[torch.Tensor] = []
         with self._observer.installed():
             for inputs, targets in self._observer.each(train, "token scores"):
-                calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
+                passed = self._observer.run(inputs, partial(_flipped, self.loss, targets))
                 dense = {name: q.dense() for name, q in per_block.items()}
-                columns.append(token_terms(self._parts(calls, inputs.shape[0]), dense))
+                columns.append(token_terms(self._parts(passed), dense))
         local = torch.cat(columns, dim=1)  # (Q, n, R): gathered along the examples
         return self._ranks.gathered(local.transpose(1, 2)).transpose(1, 2)
 
@@ -301,8 +317,8 @@ class EKFACInfluence:
         out: dict[str, list[torch.Tensor]] = {name: [] for name in self.blocks}
         with self._observer.installed():
             for inputs, targets in self._observer.each(train, "self scores"):
-                calls = self._observer.run(inputs, partial(_flipped, self.loss, targets))
-                for name, parts in self._parts(calls, inputs.shape[0]).items():
+                passed = self._observer.run(inputs, partial(_flipped, self.loss, targets))
+                for name, parts in self._parts(passed).items():
                     rotated = self._factors[name].rotated(parts)
                     out[name].append((rotated.square() * self._inverse(name)).flatten(1).sum(1))
         return {name: self._ranks.gathered(torch.cat(parts) if parts else
@@ -327,9 +343,9 @@ class EKFACInfluence:
         count = 0
         with self._observer.installed():
             for inputs, targets in self._observer.each(queries, "queries"):
-                calls = self._observer.run(inputs, partial(_flipped, measurement, targets))
-                count += inputs.shape[0]
-                for name, pieces in self._parts(calls, inputs.shape[0]).items():
+                passed = self._observer.run(inputs, partial(_flipped, measurement, targets))
+                count += passed.examples
+                for name, pieces in self._parts(passed).items():
                     if self._ranks.computes(name):
                         f = self._factors[name]
                         p = f.rotate_back(f.rotated(pieces) * self._inverse(name))
@@ -352,19 +368,17 @@ class EKFACInfluence:
             raise RuntimeError("EKFACInfluence: call fit() (or load a fit) before scoring")
         return 1.0 / (self._factors[name].lam() + self.block_damping(name))
 
-    def _parts(self, calls: Mapping[str, list[Call]], examples: int
-               ) -> dict[str, list[Part]]:
+    def _parts(self, passed: Pass) -> dict[str, list[Part]]:
         """Per block, the examples' parts of its gradient from each of its calls.
 
         A block the pass did not reach (no call) has zero gradients.
         """
         out: dict[str, list[Part]] = {}
+        n = passed.examples
         for name, block in self.blocks.items():
-            seen = calls.get(name, [])
-            out[name] = [call_part(block, x, d, site, examples, self.dtype)
-                         for x, d, site in seen] or [Unreached(
-                torch.zeros(examples, *matrix_shape(block), dtype=self.dtype,
-                            device=self._device))]
+            out[name] = [call_part(block, x, d, site, n, self.dtype, passed.mask)
+                         for x, d, site in passed.calls.get(name, [])] or [Unreached(
+                torch.zeros(n, *matrix_shape(block), dtype=self.dtype, device=self._device))]
         return out
 
     # ------------------------------------------------------------------ saving
@@ -392,6 +406,14 @@ class EKFACInfluence:
     def load(self, path: str | Path) -> None:
         """Reads a :meth:`save` file or directory (a foreign one refused in one line)."""
         self.load_state_dict(read(fit_file(path), "an EKFACInfluence fit"))
+
+
+def _kept_rows(part: Rows, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call's rows ``(a, g)`` as matrices, without the masked positions' rows."""
+    if mask is not None and part.a.shape[2] == mask.shape[1] and part.a.shape[1] == 1:
+        keep = mask.to(torch.bool)
+        return part.a[:, 0][keep], part.g[:, 0][keep]
+    return part.a.flatten(0, 2), part.g.flatten(0, 2)
 
 
 def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

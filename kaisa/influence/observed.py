@@ -13,20 +13,53 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from kaisa.blocks import CurvatureBlock
+from kaisa.blocks import Conv2dBlock, CurvatureBlock
 from kaisa.core.hooks import StatisticsRecorder
 from kaisa.influence.rows import evaluating
 
-__all__ = ["Call", "Observer"]
+__all__ = ["Call", "Inputs", "Observer", "Pass", "examples_of", "positions_first"]
 
 #: One observed call: its input, its output's gradient and its call site.
 Call = tuple[torch.Tensor, torch.Tensor, int]
+#: A batch's inputs: a tensor (``model(inputs)``) or keyword tensors (``model(**inputs)``,
+#: an ``attention_mask`` among them masks the positions).
+Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 T = TypeVar("T")
+
+
+@dataclass
+class Pass:
+    """One pass of a batch: every block's calls, the examples, the attention mask."""
+
+    calls: dict[str, list[Call]]
+    examples: int
+    mask: torch.Tensor | None  # (N, positions), 1 where a position counts
+
+
+def examples_of(inputs: Inputs) -> int:
+    """The batch's examples: dimension 0 of its (first) input tensor."""
+    first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
+    return int(first.shape[0])
+
+
+def positions_first(block: CurvatureBlock, t: torch.Tensor, mask: torch.Tensor
+                    ) -> torch.Tensor | None:
+    """``t`` as ``(N, positions, ...)`` when a call's rows are the mask's positions.
+
+    ``None`` when they are not (a convolution's, or a call over other rows).
+    """
+    first = 1 if getattr(block, "_example_dim", 0) == 1 else 0  # attention: sequence-first
+    n, length = mask.shape
+    if t.dim() < 2 or t.shape[first] != n:
+        return None
+    t = t.movedim(first, 0)
+    return t if t.shape[1] == length and (t.dim() == 2 or t.dim() == 3) else None
 
 
 class Observer:
@@ -40,6 +73,8 @@ class Observer:
         self.progress = progress
         self._recorder: StatisticsRecorder | None = None
         self._calls: dict[str, list[Call]] = {}
+        self._mask: torch.Tensor | None = None
+        self._rows: dict[str, list[int]] = {}
         #: Blocks that also record the core's batch factors (:meth:`batch_factors`).
         self.recording: set[str] = set()
 
@@ -66,6 +101,16 @@ class Observer:
               ) -> None:
         self._calls[block.name].append((x, d, site))
         if block.name in self.recording:  # the core's statistics, as in a training step
+            rows = examples_of(x)  # a convolution: its rows per example are fixed
+            if x.dim() >= 2 and not isinstance(block, Conv2dBlock):
+                rows = x.numel() // (x.shape[-1] if x.is_floating_point() else 1)
+            mask = self._mask
+            if mask is not None:  # the rows at masked positions are left out
+                xs, ds = positions_first(block, x, mask), positions_first(block, d, mask)
+                if xs is not None and ds is not None:
+                    keep = mask.to(torch.bool)
+                    x, d, rows = xs[keep], ds[keep], int(keep.sum())
+            self._rows[block.name].append(rows)
             block.record_input(x, in_hook=True, site=site)
             block.record_output_grad(d, 1.0, in_hook=True, inputs=x, site=site)
 
@@ -82,35 +127,42 @@ class Observer:
                         leave=False)
         return bar  # type: ignore[no-any-return]
 
-    def run(self, inputs: torch.Tensor, value: Callable[[torch.Tensor], torch.Tensor]
-            ) -> dict[str, list[Call]]:
-        """The calls of every block in one pass of ``inputs`` under ``value(outputs)``.
+    def run(self, inputs: Inputs, value: Callable[[Any], torch.Tensor]) -> Pass:
+        """Every block's calls in one pass of ``inputs`` under ``value(outputs)``.
 
         In evaluation mode; each block's calls in the order their gradients arrived.
         """
         recorder = self._recorder
         assert recorder is not None, "run() inside installed()"
+        mask = None if isinstance(inputs, torch.Tensor) else inputs.get("attention_mask")
         self._calls = {name: [] for name in self.blocks}
+        self._rows = {name: [] for name in self.recording}
+        self._mask = mask
         try:
             with torch.enable_grad(), evaluating(self.model):
-                loss = value(self.model(inputs))
+                outputs = (self.model(inputs) if isinstance(inputs, torch.Tensor)
+                           else self.model(**inputs))
+                loss = value(outputs)
             edges = list(recorder.kept_outputs)
             if edges:
                 torch.autograd.grad(loss, edges, allow_unused=True)
-            return self._calls
+            return Pass(self._calls, examples_of(inputs), mask)
         finally:
             recorder.end_step()
-            self._calls = {}
+            self._calls, self._mask = {}, None
 
-    def batch_factors(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """The batch factors ``(A, G)`` the :attr:`recording` blocks took in the last pass.
+    def batch_factors(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None, int]]:
+        """``(A, G, rows)`` the :attr:`recording` blocks took in the last pass.
 
-        As the blocks' statistics give them, before :meth:`~kaisa.blocks.CurvatureBlock.combine`
-        (a tied weight's uses stacked): combining is not linear, so it comes after the sums.
+        The batch factors as the blocks' statistics give them (means over a call's rows),
+        before :meth:`~kaisa.blocks.CurvatureBlock.combine` (a tied weight's uses
+        stacked; combining is not linear, so it comes after the sums), and the rows of
+        one call (their mean over the calls): what weighs the batch in the sums.
         """
         out = {}
         for name in self.recording:
-            block = self.blocks[name]
-            out[name] = block.stats.take()
+            block, rows = self.blocks[name], self._rows.get(name) or [0]
+            a, g = block.stats.take()
+            out[name] = (a, g, round(sum(rows) / len(rows)))
             block.stats.clear()
         return out

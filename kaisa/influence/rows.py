@@ -147,17 +147,37 @@ def row_kind(block: CurvatureBlock) -> bool:
 
 
 def call_part(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor, site: int,
-              examples: int, dtype: torch.dtype) -> Part:
+              examples: int, dtype: torch.dtype, mask: torch.Tensor | None = None) -> Part:
     """The examples' part of ``block``'s gradient matrices from one call ``(x, d)``.
+
+    With an attention ``mask`` ``(N, positions)``, a call whose rows are the positions
+    has its masked rows' terms zero (their inputs, as Kronfluence masks activations).
 
     Raises:
         ValueError: The call's examples are not the batch's (``examples``).
     """
+    part = _part(block, x, d, site, examples, dtype)
+    if mask is not None and not isinstance(part, Unreached):
+        weights = mask.to(dtype)
+        if isinstance(part, Rows) and part.a.shape[2] == mask.shape[1]:
+            part = Rows(a=part.a * weights[:, None, :, None], g=part.g)
+        elif isinstance(part, Indexed) and part.g.shape[1] == mask.shape[1]:
+            part = Indexed(index=part.index, g=part.g * weights[..., None],
+                           vocabulary=part.vocabulary, padding_idx=part.padding_idx)
+        elif isinstance(part, Elementwise) and part.rows.shape[1] == mask.shape[1]:
+            part = Elementwise(rows=part.rows * weights[..., None, None])
+    return part
+
+
+def _part(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor, site: int,
+          examples: int, dtype: torch.dtype) -> Part:
     first = 1 if getattr(block, "_example_dim", 0) == 1 else 0  # attention: sequence-first
     if x.shape[first] != examples:
         raise ValueError(
             f"influence: layer {block.name!r} is called on {x.shape[first]} rows, the batch "
-            f"has {examples} examples (the examples must be dimension {first} of its input)")
+            f"has {examples} examples (the examples must be dimension {first} of its input; "
+            "a layer called once for the whole batch, like a position embedding, has no "
+            "per-example gradient: leave it out with skip=)")
     x, d = x.movedim(first, 0), d.movedim(first, 0).to(dtype)
     if isinstance(block, TiedEmbeddingBlock) and site == HEAD_SITE:
         return Rows(a=_flat(d), g=_flat(x.to(dtype)))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaisa.influence import EKFACInfluence
+from kaisa.influence.observed import Pass
 from kaisa.train.models.gpt import gpt
 from tests.influence.test_anchor import _rel
 
@@ -92,9 +93,9 @@ def test_every_kinds_example_gradients_equal_one_pass_per_example(net: str) -> N
     assert kinds == want
     inputs, targets = batches[0]
     with influence._observer.installed():
-        calls = influence._observer.run(inputs, lambda out: _loss(out, targets))
+        passed = influence._observer.run(inputs, lambda out: _loss(out, targets))
         got = {name: sum(p.matrices() for p in parts)
-               for name, parts in influence._parts(calls, len(inputs)).items()}
+               for name, parts in influence._parts(passed).items()}
     model.eval()
     for name, expected in _loop(influence, batches[0]).items():
         mine = got[name]
@@ -175,12 +176,11 @@ def test_token_scores_are_each_rows_terms_and_sum_to_the_pairwise_scores(net: st
     p = influence._preconditioned_queries(batches[:1], _loss, None)["blocks.0.linear1"].dense()
     inputs, targets = batches[1]
     with influence._observer.installed():
-        calls = influence._observer.run(inputs, lambda out: _loss(out, targets))
-    (x, d, _), = calls["blocks.0.linear1"]
+        passed = influence._observer.run(inputs, lambda out: _loss(out, targets))
+    (x, d, _), = passed.calls["blocks.0.linear1"]
     a = torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=F64)], dim=-1)  # (8, 12, 17)
     want = torch.einsum("qoi,nri,nro->qnr", p[:, 0], a, d)
-    parts = influence._parts({"blocks.0.linear1": calls["blocks.0.linear1"]}, 8)
-    got = parts["blocks.0.linear1"][0].per_row(p)
+    got = influence._parts(passed)["blocks.0.linear1"][0].per_row(p)
     assert _rel(got, want) < 1e-12
 
 
@@ -196,7 +196,7 @@ def test_low_rank_queries_score_the_truncated_matrices() -> None:
         u, s, vh = torch.linalg.svd(q.dense(), full_matrices=False)
         truncated = u[..., :2] * s[..., None, :2] @ vh[..., :2, :]
         grads = torch.cat([sum(p.matrices() for p in influence._parts(
-            _calls(influence, b), len(b[0]))[name]) for b in batches])  # type: ignore[misc]
+            _pass(influence, b))[name]) for b in batches])  # type: ignore[misc]
         want += truncated.flatten(1) @ grads.flatten(1).T
     got = influence.pairwise_scores(batches[:1], batches, query_rank=2)
     assert _rel(got, want) < 1e-10 and _rel(got, exact) > 1e-3
@@ -204,7 +204,7 @@ def test_low_rank_queries_score_the_truncated_matrices() -> None:
         influence.pairwise_scores(batches[:1], batches, query_rank=0)
 
 
-def _calls(influence: EKFACInfluence, batch: Batch) -> dict[str, list[tuple[torch.Tensor, ...]]]:
+def _pass(influence: EKFACInfluence, batch: Batch) -> Pass:
     inputs, targets = batch
     with influence._observer.installed():
-        return influence._observer.run(inputs, lambda out: _loss(out, targets))  # type: ignore[return-value]
+        return influence._observer.run(inputs, lambda out: _loss(out, targets))
