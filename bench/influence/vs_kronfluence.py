@@ -1,7 +1,7 @@
 """EK-FAC influence, kaisa against Kronfluence 1.0.1: fit + pairwise scores, one run.
 
     python bench/influence/vs_kronfluence.py [--rounds 3] [--train 1000] [--queries 100]
-    python bench/influence/vs_kronfluence.py --model gpt [--train 256] [--queries 16]
+    python bench/influence/vs_kronfluence.py --model gpt [--train 1000] [--queries 100]
 
 ``--model cnn`` (the default): on scikit-learn's digits, a small CNN (conv 1->16 3x3,
 ReLU, 2x2 max-pool, linear to 10 classes; initial weights, seed 0): each side fits its
@@ -87,16 +87,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "[_gpt].json)")
     parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--train", type=int, default=None, help="cnn 1000, gpt 256")
-    parser.add_argument("--queries", type=int, default=None, help="cnn 100, gpt 16")
-    parser.add_argument("--batch", type=int, default=None, help="cnn 64, gpt 16")
+    parser.add_argument("--train", type=int, default=1000)
+    parser.add_argument("--queries", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=None, help="cnn 64, gpt 32")
     parser.add_argument("--context", type=int, default=64, help="gpt: bytes per window")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: 64 x 8, 1 round")
     args = parser.parse_args(argv)
     gpt = args.model == "gpt"
-    defaults = (256, 16, 16) if gpt else (1000, 100, 64)
-    args.train, args.queries, args.batch = (v if v is not None else d for v, d in zip(
-        (args.train, args.queries, args.batch), defaults, strict=True))
+    if args.batch is None:
+        args.batch = 32 if gpt else 64
     if args.tiny:
         args.train, args.queries, args.rounds = (32, 4, 1) if gpt else (64, 8, 1)
     if args.out is None:
