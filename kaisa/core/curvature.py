@@ -390,14 +390,33 @@ class KFACCurvature(RecordingControl, DirectionPhases, CurvatureState):
             handle.remove()
         self._probes.clear()
 
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, damping: float, compute_inverses: bool = True
+    ) -> None:
+        """:meth:`CurvatureState.load_state_dict`, then which blocks are silent.
+
+        Silent: no factors after recorded steps (first-order in :meth:`coverage`), as the
+        saved run knew.
+        """
+        super().load_state_dict(state, damping=damping, compute_inverses=compute_inverses)
+        silent = self._silent_blocks()
+        if len(silent) < len(self._blocks) and silent != self._silent:  # a run that recorded
+            self._silent = silent
+            self._coverage = parameter_coverage(
+                self._model, {n: b for n, b in self._blocks.items() if n not in silent})
+
+    def _silent_blocks(self) -> set[str]:
+        """The blocks this rank should hold factors of and holds none of."""
+        return {name for name, block in self._blocks.items()
+                if block.factors.a is None and block.factors.g is None
+                and self._engine.holds_factors(name)}  # FSDP2: the others hold none
+
     def _warn_silent_blocks(self) -> None:
         """Warns of blocks whose hooks never fired; :meth:`coverage` says first-order.
 
         Once their hooks fire (factors exist), the coverage gives their kind again.
         """
-        silent = {name for name, block in self._blocks.items()
-                  if block.factors.a is None and block.factors.g is None
-                  and self._engine.holds_factors(name)}  # FSDP2: the others hold none
+        silent = self._silent_blocks()
         for name in sorted(silent - self._warned_silent, key=list(self._blocks).index):
             block = self._blocks[name]
             msg = (

@@ -166,6 +166,12 @@ def test_a_block_whose_hooks_never_fire_is_reported_first_order() -> None:
     assert pre.coverage()["qkv.weight"] == "first-order"
     assert pre.coverage()["out.weight"] == "linear"
     assert "qkv.weight" in pre.curvature.coverage_summary(model).split("first-order:")[1]
+    resumed = kaisa.KFACPreconditioner(model)  # a resume knows it before its first step
+    resumed.load_state_dict(pre.state_dict())
+    assert resumed.coverage() == pre.coverage()
+    fresh = kaisa.KFACPreconditioner(model)
+    fresh.load_state_dict(kaisa.KFACPreconditioner(model).state_dict())  # nothing recorded
+    assert fresh.coverage()["qkv.weight"] == "linear"
     model.called = True
     step()
     assert pre.coverage()["qkv.weight"] == "linear"
