@@ -202,17 +202,25 @@ def make_synthetic(
     )
 
 
-def augment_batch(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random 4-pixel-padded crop and horizontal flip (standard CIFAR augmentation)."""
+def augment_batch(images: torch.Tensor, generator: torch.Generator, *,
+                  flip: bool = True) -> torch.Tensor:
+    """Random padded crop and (with ``flip``) horizontal flip.
+
+    The padding is an eighth of the image's height (at least one pixel): 4 pixels on
+    CIFAR's 32x32 (the standard CIFAR augmentation), 1 on the 8x8 digits, which are not
+    flipped (a mirrored digit is another glyph).
+    """
     n, _, h, w = images.shape
-    padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
-    dx = torch.randint(9, (n,), generator=generator)
-    dy = torch.randint(9, (n,), generator=generator)
+    p = max(1, h // 8)
+    padded = torch.nn.functional.pad(images, (p, p, p, p))
+    dx = torch.randint(2 * p + 1, (n,), generator=generator)
+    dy = torch.randint(2 * p + 1, (n,), generator=generator)
     rows = (dy.view(n, 1) + torch.arange(h).view(1, h)).view(n, 1, h, 1)
     cols = (dx.view(n, 1) + torch.arange(w).view(1, w)).view(n, 1, 1, w)
     index_rows = rows.expand(n, padded.shape[1], h, padded.shape[3])
     cropped = padded.gather(2, index_rows)
     cropped = cropped.gather(3, cols.expand(n, padded.shape[1], h, w))
-    flip = torch.rand(n, generator=generator) < 0.5
-    cropped[flip] = cropped[flip].flip(3)
+    if flip:
+        flipped = torch.rand(n, generator=generator) < 0.5
+        cropped[flipped] = cropped[flipped].flip(3)
     return cropped

@@ -333,7 +333,7 @@ class Trainer:
             batch = order[index * options.batch_size : (index + 1) * options.batch_size]
             x, y = self.data.batch(batch, self.epoch)
             if options.augment:
-                x = augment_batch(x, generator)
+                x = augment_batch(x, generator, flip=self.data.name != "digits")
             stepped = (index + 1) % options.accumulation_steps == 0
             stepped = stepped or index + 1 == self.micro_batches
             stats = self._step(x.to(context.device), y.to(context.device), stepped)

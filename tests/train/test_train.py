@@ -450,3 +450,15 @@ def test_ekfac_cannot_take_a_preconditioner(
     with pytest.raises(SystemExit):
         main(_args(tmp_path, "--optimizer", "ekfac", "--kfac"))
     assert "K-FAC itself" in capsys.readouterr().err
+
+
+def test_digits_augment_shifts_by_one_pixel_and_never_mirrors() -> None:
+    """8x8 digits: a 1-pixel padded crop (an eighth of the height), no flip; each image is
+    one of its nine shifts."""
+    digits = data.load_digits()
+    x = digits.train_x[:16]
+    out = data.augment_batch(x, torch.Generator().manual_seed(0), flip=False)
+    padded = torch.nn.functional.pad(x, (1, 1, 1, 1))
+    for image, got in zip(padded, out, strict=True):
+        shifts = [image[:, dy:dy + 8, dx:dx + 8] for dy in range(3) for dx in range(3)]
+        assert any(torch.equal(got, s) for s in shifts)
