@@ -34,7 +34,14 @@ from kaisa import ops
 from kaisa.blocks import register_blocks
 from kaisa.core.coverage import FIRST_ORDER
 from kaisa.distributed.strategy import FractionSpec
-from kaisa.influence.fit import BlockFit, decompose, dense_sides, matrix_shape, seeded
+from kaisa.influence.fit import (
+    BlockFit,
+    decompose,
+    dense_sides,
+    matrix_shape,
+    seeded,
+    summed_sides,
+)
 from kaisa.influence.observed import Inputs, Observer, Pass
 from kaisa.influence.ranks import Ranks
 from kaisa.influence.results import fit_file, read
@@ -97,6 +104,9 @@ class EKFACInfluence:
             ``"attention"``, ``"embedding"``, ``"scale_shift"``), or ``"all"``.
         skip: Patterns (``re.search``) of module, class or block names not to score
             (e.g. a position embedding called once for the whole batch).
+        masked: Patterns of the layers a batch's ``attention_mask`` applies to (``None``:
+            every layer whose calls' rows are the mask's positions; name the encoder's
+            where a decoder's sequence may have the same length).
         loss: ``(outputs, targets) -> summed loss`` of a batch; the summed cross-entropy
             by default (the true Fisher draws classification labels for it).
         progress: Show a progress bar for each pass over batches (needs ``tqdm``).
@@ -116,6 +126,7 @@ class EKFACInfluence:
         dtype: torch.dtype = torch.float32,
         layer_kinds: str | tuple[str, ...] = "all",
         skip: Sequence[str] = (),
+        masked: Sequence[str] | None = None,
         loss: Measurement = summed_cross_entropy,
         progress: bool = False,
         grad_worker_fraction: FractionSpec = DistributedStrategy.COMM_OPT,
@@ -136,7 +147,9 @@ class EKFACInfluence:
         if not self.blocks:
             raise ValueError(f"model has no layer influence can track (kinds {layer_kinds!r})")
         self._factors = {name: BlockFit() for name in self.blocks}
-        self._observer = Observer(model, self.blocks, progress=progress)
+        self._observer = Observer(
+            model, self.blocks, progress=progress, masked=None if masked is None else {
+                n for n in self.blocks if any(re.search(p, n) for p in masked)})
         self._ranks = Ranks(self.blocks, {n: dense_sides(b) for n, b in self.blocks.items()},
                             grad_worker_fraction)
         self.generator = torch.Generator().manual_seed(seed + self._ranks.rank)
@@ -203,7 +216,7 @@ class EKFACInfluence:
         rowed = [name for name, b in self.blocks.items() if row_kind(b)]
         observer = self._observer
         observer.recording = {n for n, b in self.blocks.items()
-                              if not row_kind(b) and any(dense_sides(b))}
+                              if not row_kind(b) and any(summed_sides(b))}
         try:
             with observer.installed():
                 for inputs, targets in observer.each(batches, "covariances"):
@@ -213,7 +226,8 @@ class EKFACInfluence:
                             part = call_part(self.blocks[name], x, d, site, passed.examples,
                                              self.dtype)
                             assert isinstance(part, Rows)
-                            a2, g2 = _kept_rows(part, passed.mask)
+                            a2, g2 = _kept_rows(
+                                part, passed.mask if observer.applies(name) else None)
                             self._factors[name].add(
                                 self.blocks[name], ops.covariance(a2, 1.0)[None],
                                 ops.covariance(g2, 1.0)[None], a2.shape[0], self.dtype)
@@ -283,8 +297,10 @@ class EKFACInfluence:
                 for name, parts in self._parts(passed).items():
                     g = _summed(p.matrices() for p in parts)
                     columns[name].append(per_block[name].dense().flatten(1) @ g.flatten(1).T)
-        return {name: self._ranks.gathered(torch.cat(parts, dim=1)) for name, parts
-                in columns.items()}
+        return {name: self._ranks.gathered(torch.cat(parts, dim=1) if parts else  # no shard
+                                           per_block[name].dense().new_zeros(
+                                               per_block[name].count, 0))
+                for name, parts in columns.items()}
 
     def token_scores(self, queries: Iterable[Batch], train: Iterable[Batch], *,
                      measurement: Measurement | None = None,
@@ -302,7 +318,14 @@ class EKFACInfluence:
                 passed = self._observer.run(inputs, partial(_flipped, self.loss, targets))
                 dense = {name: q.dense() for name, q in per_block.items()}
                 columns.append(token_terms(self._parts(passed), dense))
-        local = torch.cat(columns, dim=1)  # (Q, n, R): gathered along the examples
+        count = next(iter(per_block.values())).count
+        longest = max([c.shape[-1] for c in columns], default=1)
+        longest = int(self._ranks.gathered(torch.tensor([[float(longest)]])).max())
+        local = torch.cat([F.pad(c, (0, longest - c.shape[-1])) for c in columns], dim=1
+                          ) if columns else torch.zeros(count, 0, longest, dtype=self.dtype,
+                                                        device=self._device)
+        # (Q, n, R): sequences shorter than the longest padded with zero terms, gathered
+        # along the examples
         return self._ranks.gathered(local.transpose(1, 2)).transpose(1, 2)
 
     def self_scores(self, train: Iterable[Batch]) -> torch.Tensor:
@@ -376,7 +399,8 @@ class EKFACInfluence:
         out: dict[str, list[Part]] = {}
         n = passed.examples
         for name, block in self.blocks.items():
-            out[name] = [call_part(block, x, d, site, n, self.dtype, passed.mask)
+            mask = passed.mask if self._observer.applies(name) else None
+            out[name] = [call_part(block, x, d, site, n, self.dtype, mask)
                          for x, d, site in passed.calls.get(name, [])] or [Unreached(
                 torch.zeros(n, *matrix_shape(block), dtype=self.dtype, device=self._device))]
         return out
@@ -394,8 +418,8 @@ class EKFACInfluence:
         blocks = state.get("blocks") if isinstance(state, dict) else None
         if not isinstance(blocks, dict) or set(blocks) != set(self.blocks):
             raise ValueError("not an EKFACInfluence fit of this model (its layers differ)")
-        self._factors = {name: BlockFit.loaded(self.blocks[name], entry, self.dtype)
-                         for name, entry in blocks.items()}
+        self._factors = {name: BlockFit.loaded(self.blocks[name], entry, self.dtype,
+                                               self._device) for name, entry in blocks.items()}
 
     def save(self, path: str | Path) -> None:
         """Writes :meth:`state_dict` to ``path`` (a directory: ``path/fit.pt``)."""

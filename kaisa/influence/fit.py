@@ -20,7 +20,8 @@ from kaisa.influence.ranks import Ranks
 from kaisa.influence.rows import Part, Rows, basis
 from kaisa.utils.enums import Side
 
-__all__ = ["BlockFit", "combines", "decompose", "dense_sides", "matrix_shape", "seeded"]
+__all__ = ["BlockFit", "combines", "decompose", "dense_sides", "matrix_shape", "seeded",
+           "summed_sides"]
 
 
 def dense_sides(block: CurvatureBlock) -> tuple[bool, bool]:
@@ -28,6 +29,16 @@ def dense_sides(block: CurvatureBlock) -> tuple[bool, bool]:
     if block.diagonal:
         return False, False
     return not block.is_diagonal(Side.A), not block.is_diagonal(Side.G)
+
+
+def summed_sides(block: CurvatureBlock) -> tuple[bool, bool]:
+    """The sides whose sums the fit keeps: the dense ones, or both for combined uses.
+
+    A tied weight's combination needs its diagonal side too.
+    """
+    if combines(block):
+        return True, True
+    return dense_sides(block)
 
 
 def matrix_shape(block: CurvatureBlock) -> tuple[int, ...]:
@@ -103,11 +114,11 @@ class BlockFit:
 
     def add(self, block: CurvatureBlock, a: torch.Tensor | None, s: torch.Tensor | None,
             rows: int, dtype: torch.dtype) -> None:
-        """Adds one batch's sums of ``block`` (its dense sides) and their rows."""
-        dense_a, dense_s = dense_sides(block)
-        if dense_a and a is not None:
+        """Adds one batch's sums of ``block`` (the sides :func:`summed_sides` keeps)."""
+        keep_a, keep_s = summed_sides(block)
+        if keep_a and a is not None:
             self.a_sum = a.to(dtype) if self.a_sum is None else self.a_sum.add_(a)
-        if dense_s and s is not None:
+        if keep_s and s is not None:
             self.s_sum = s.to(dtype) if self.s_sum is None else self.s_sum.add_(s)
         self.rows += rows
 
@@ -119,7 +130,8 @@ class BlockFit:
         return entry
 
     @classmethod
-    def loaded(cls, block: CurvatureBlock, entry: object, dtype: torch.dtype) -> BlockFit:
+    def loaded(cls, block: CurvatureBlock, entry: object, dtype: torch.dtype,
+               device: torch.device) -> BlockFit:
         """The fit of ``block`` from a saved :meth:`entry` (checked: shapes, presence).
 
         Raises:
@@ -136,9 +148,9 @@ class BlockFit:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                 raise ValueError(f"the fit's {key} of layer {block.name!r} is not "
                                  f"{shape or 'absent'} (a fit of another model?)")
-        qa, qs = (None if fields.get(k) is None else fields[k].to(dtype, copy=True)
+        qa, qs = (None if fields.get(k) is None else fields[k].to(device, dtype, copy=True)
                   for k in ("qa", "qs"))
-        return cls(qa=qa, qs=qs, lam_sum=fields["lam_sum"].to(dtype, copy=True),
+        return cls(qa=qa, qs=qs, lam_sum=fields["lam_sum"].to(device, dtype, copy=True),
                    examples=int(fields["examples"]), rows=int(fields["rows"]), based=True)
 
 
@@ -186,23 +198,25 @@ def decompose(fits: Mapping[str, BlockFit], blocks: Mapping[str, CurvatureBlock]
     counts: list[int] = []
     for name, f in fits.items():
         block = blocks[name]
-        for dense, n, attr in zip(dense_sides(block), block.dims, ("a_sum", "s_sum"),
-                                  strict=True):
-            if not dense:
+        for keep, side, attr in zip(summed_sides(block), (Side.A, Side.G), ("a_sum", "s_sum"),
+                                    strict=True):
+            if not keep:
                 continue
             if getattr(f, attr) is None:  # no data on this rank: zeros to sum
+                n = block.dims[0 if side is Side.A else 1]
                 stack = len(block.call_sites()) if combines(block) else block.groups
-                setattr(f, attr, torch.zeros(stack, n, n, dtype=dtype, device=device))
+                shape = (stack, n) if block.is_diagonal(side) else (stack, n, n)
+                setattr(f, attr, torch.zeros(shape, dtype=dtype, device=device))
             sums.append(getattr(f, attr))
             counts.append(f.rows)
     totals = iter(ranks.summed(sums, counts))
     for name, f in fits.items():
-        dense_a, dense_s = dense_sides(blocks[name])
-        if dense_a:
+        keep_a, keep_s = summed_sides(blocks[name])
+        if keep_a:
             f.a_sum, f.rows = next(totals)
-        if dense_s:
+        if keep_s:
             f.s_sum, f.rows = next(totals)
-        if (dense_a or dense_s) and f.rows == 0:
+        if (keep_a or keep_s) and f.rows == 0:
             raise ValueError(f"layer {name!r} saw no data in the factor pass (is it "
                              "used by the model's forward?)")
     wanted: dict[tuple[str, Side], Callable[[], torch.Tensor]] = {}
@@ -212,8 +226,10 @@ def decompose(fits: Mapping[str, BlockFit], blocks: Mapping[str, CurvatureBlock]
         a, s = (None if t is None else t / f.rows for t in (f.a_sum, f.s_sum))
         if combines(block):  # a tied weight's uses, combined once over everything
             a, s = block.combine(a, s)
-        for side, mean, n in ((Side.A, a, block.dims[0]), (Side.G, s, block.dims[1])):
-            if mean is not None:
+        dense = dense_sides(block)
+        for side, mean, n, has in ((Side.A, a, block.dims[0], dense[0]),
+                                   (Side.G, s, block.dims[1], dense[1])):
+            if mean is not None and has:  # a diagonal side's basis is the identity
                 wanted[name, side] = partial(basis, mean)
                 shapes[name, side] = (block.groups, n, n)
     bases = ranks.bases(wanted, shapes, dtype, device)

@@ -11,6 +11,7 @@ batch factors as a training step would (:meth:`Observer.batch_factors`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,9 +67,12 @@ class Observer:
     """The core's hooks over ``blocks`` of ``model``, while :meth:`installed`."""
 
     def __init__(self, model: nn.Module, blocks: Mapping[str, CurvatureBlock], *,
-                 progress: bool = False) -> None:
+                 progress: bool = False, masked: set[str] | None = None) -> None:
         self.model = model
         self.blocks = dict(blocks)
+        #: The blocks an attention mask applies to (``None``: every block).
+        self.masked = masked
+        self._autocast: tuple[str, torch.dtype, bool] = ("cpu", torch.bfloat16, False)
         #: Show a progress bar per pass (``tqdm``, on standard error).
         self.progress = progress
         self._recorder: StatisticsRecorder | None = None
@@ -89,8 +93,12 @@ class Observer:
         for block in self.blocks.values():
             block.stats.clear()
         self._recorder = recorder
-        try:
-            yield
+        kind = next(self.model.parameters()).device.type
+        amp = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+        self._autocast = (kind, torch.get_autocast_dtype(kind) if amp else torch.float32, amp)
+        try:  # the influence's own products at full precision; the model's as it was asked
+            with torch.autocast(kind, enabled=False) if amp else contextlib.nullcontext():
+                yield
         finally:
             self._recorder = None
             recorder.remove()
@@ -104,7 +112,7 @@ class Observer:
             rows = examples_of(x)  # a convolution: its rows per example are fixed
             if x.dim() >= 2 and not isinstance(block, Conv2dBlock):
                 rows = x.numel() // (x.shape[-1] if x.is_floating_point() else 1)
-            mask = self._mask
+            mask = self._mask if self.applies(block.name) else None
             if mask is not None:  # the rows at masked positions are left out
                 xs, ds = positions_first(block, x, mask), positions_first(block, d, mask)
                 if xs is not None and ds is not None:
@@ -138,8 +146,10 @@ class Observer:
         self._calls = {name: [] for name in self.blocks}
         self._rows = {name: [] for name in self.recording}
         self._mask = mask
+        kind, dtype, amp = self._autocast
         try:
-            with torch.enable_grad(), evaluating(self.model):
+            with torch.enable_grad(), evaluating(self.model), torch.autocast(
+                    kind, dtype=dtype, enabled=amp):
                 outputs = (self.model(inputs) if isinstance(inputs, torch.Tensor)
                            else self.model(**inputs))
                 loss = value(outputs)
@@ -150,6 +160,10 @@ class Observer:
         finally:
             recorder.end_step()
             self._calls, self._mask = {}, None
+
+    def applies(self, name: str) -> bool:
+        """Whether a batch's attention mask applies to block ``name``."""
+        return self.masked is None or name in self.masked
 
     def batch_factors(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None, int]]:
         """``(A, G, rows)`` the :attr:`recording` blocks took in the last pass.

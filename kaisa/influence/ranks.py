@@ -59,8 +59,9 @@ class Ranks:
         if self.world == 1:
             return list(zip(tensors, counts, strict=True))
         handles = [self.comm.allreduce_mean(t, kind="influence") for t in tensors]
-        total = self.comm.allreduce_mean(torch.tensor(counts, dtype=torch.float64),
-                                         kind="influence")
+        device = tensors[0].device if tensors else torch.device("cpu")  # NCCL: the device's
+        total = self.comm.allreduce_mean(
+            torch.tensor(counts, dtype=torch.float64, device=device), kind="influence")
         self.comm.flush()
         sums = [h.wait() * self.world for h in handles]
         totals = [round(float(c) * self.world) for c in total.wait()]
@@ -122,7 +123,7 @@ class Ranks:
         """Every rank's ``local`` scores (its shard along the last dimension), in rank order."""
         if self.world == 1:
             return local
-        sizes = torch.zeros(self.world, dtype=torch.float64)
+        sizes = torch.zeros(self.world, dtype=torch.float64, device=local.device)
         sizes[self.rank] = local.shape[-1]
         handle = self.comm.allreduce_mean(sizes, kind="influence")
         self.comm.flush()

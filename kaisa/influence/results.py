@@ -32,9 +32,12 @@ def fit_file(path: str | Path) -> Path:
 
 
 def read(path: Path, what: str) -> Any:
-    """``torch.load(path, weights_only=True)``, refused in one line when it fails."""
+    """``torch.load(path, weights_only=True)`` onto the CPU; refused in one line.
+
+    The caller moves what it keeps to its device.
+    """
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:  # missing, truncated or foreign
         raise ValueError(f"{path}: not {what} ({type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''})") from error

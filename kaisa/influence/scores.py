@@ -47,6 +47,13 @@ class Queries:
         k = min(rank, s.shape[-1])
         return cls(left=u[..., :k] * s[..., None, :k], right=vh[..., :k, :])
 
+    @property
+    def count(self) -> int:
+        """The queries."""
+        held = self.whole if self.whole is not None else self.left
+        assert held is not None
+        return int(held.shape[0])
+
     def dense(self) -> torch.Tensor:
         """The matrices ``(Q, groups, rows, columns)`` (rebuilt from the low-rank terms)."""
         if self.whole is not None:

@@ -10,6 +10,8 @@ fit's bases; the bases of the kinds the core records are those of the core's fac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,3 +210,34 @@ def _pass(influence: EKFACInfluence, batch: Batch) -> Pass:
     inputs, targets = batch
     with influence._observer.installed():
         return influence._observer.run(inputs, lambda out: _loss(out, targets))
+
+
+def test_a_tied_weight_with_a_diagonal_vocabulary_side(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """A vocabulary above the dense limit (as a real language model's): the tied block's
+    vocabulary side is diagonal, its width side keeps the combined factor's basis (equal
+    to a ``KFACPreconditioner``'s on the same batch), and a saved fit loads back."""
+    import kaisa
+    import kaisa.blocks.tied as tied
+    from kaisa.influence import running_factors
+
+    monkeypatch.setattr(tied, "LARGE_FACTOR_DIM", 64)  # 256 bytes: diagonal
+    model, batches = _gpt()
+    one = batches[:1]
+    fit = EKFACInfluence(model, fisher="empirical", dtype=F64)
+    fit.fit(lambda: iter(one))
+    f = fit._factors["embedding"]
+    assert f.qa is None and f.qs is not None and f.qs.shape == (1, 16, 16)
+    pre = kaisa.KFACPreconditioner(model, layer_kinds="all", factor_decay=1e-14,
+                                   factor_update_steps=1, inv_update_steps=1)
+    inputs, targets = one[0]
+    _loss(model(inputs), targets).backward()
+    pre.step()
+    seeded = EKFACInfluence(model, fisher="empirical", dtype=F64)
+    seeded.fit(lambda: iter(one), factors=running_factors(pre))
+    want = fit.pairwise_scores(one, batches)
+    assert _rel(seeded.pairwise_scores(one, batches), want) < 1e-8
+    fit.save(tmp_path)
+    again = EKFACInfluence(model, fisher="empirical", dtype=F64)
+    again.load(tmp_path)
+    assert torch.equal(again.pairwise_scores(one, batches), want)

@@ -75,3 +75,71 @@ def test_a_layer_called_once_for_the_batch_is_refused_in_one_line() -> None:
     influence = EKFACInfluence(_model(), fisher="empirical", dtype=F64)
     with pytest.raises(ValueError, match=r"'transformer\.wpe' is called on 1 rows.*skip="):
         influence.fit(lambda: iter([_padded(_sequences()[:3])]))
+
+
+class _TwoSequences(torch.nn.Module):
+    """An encoder over the masked source and a decoder over another sequence of the same
+    length (the mask is not the decoder's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = torch.nn.Linear(3, 4)
+        self.dec = torch.nn.Linear(3, 4)
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, source: torch.Tensor, attention_mask: torch.Tensor,
+                target: torch.Tensor) -> torch.Tensor:
+        memory = (self.enc(source) * attention_mask[..., None]).sum(1, keepdim=True)
+        return self.head(torch.tanh(self.dec(target) + memory))  # type: ignore[no-any-return]
+
+
+def test_masked_names_the_layers_the_mask_applies_to() -> None:
+    """With ``masked=["enc"]`` the decoder's gradients are its own (equal to one backward
+    pass per example); without, its rows at the source's padded positions would be
+    dropped."""
+    torch.manual_seed(0)
+    model = _TwoSequences().double()
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    inputs = {"source": torch.randn(3, 4, 3, generator=g, dtype=F64), "attention_mask": mask,
+              "target": torch.randn(3, 4, 3, generator=g, dtype=F64)}
+    targets = torch.randint(0, 5, (3, 4), generator=g)
+    influence = EKFACInfluence(model, fisher="empirical", dtype=F64, masked=["enc"])
+    with influence._observer.installed():
+        passed = influence._observer.run(
+            inputs, lambda out: torch.nn.functional.cross_entropy(
+                out.reshape(-1, 5), targets.reshape(-1), reduction="sum"))
+    got = sum(p.matrices() for p in influence._parts(passed)["dec"])
+    for n in range(3):
+        one = {k: v[n:n + 1] for k, v in inputs.items()}
+        loss = torch.nn.functional.cross_entropy(model(**one).reshape(-1, 5),
+                                                 targets[n], reduction="sum")
+        w, b = torch.autograd.grad(loss, [model.dec.weight, model.dec.bias])
+        assert _rel(got[n, 0], torch.cat([w, b[:, None]], dim=1)) < 1e-12  # type: ignore[index]
+
+
+def test_token_scores_of_batches_of_other_lengths_and_an_empty_training_set() -> None:
+    model, seqs = _model(), _sequences()
+    batches = [_padded(seqs[:4]), _padded(seqs[4:6]), _padded(seqs[6:])]  # 12, 12, 3 wide
+    influence = EKFACInfluence(model, fisher="empirical", dtype=F64, skip=["wpe"])
+    influence.fit(lambda: iter(batches))
+    tokens = influence.token_scores(batches[:1], batches)
+    assert tokens.shape == (4, 7, 12) and bool((tokens[:, 6, 3:] == 0).all())
+    assert _rel(tokens.sum(-1), influence.pairwise_scores(batches[:1], batches)) < 1e-10
+    assert influence.pairwise_scores(batches[:1], []).shape == (4, 0)
+    assert influence.token_scores(batches[:1], []).shape == (4, 0, 1)
+
+
+def test_scores_under_autocast_are_in_the_fits_dtype() -> None:
+    """Under the caller's autocast the model runs as asked; the influence's own products
+    stay in its dtype."""
+    model, seqs = _model(), _sequences()
+    model.float()
+    batches = [_padded(seqs[:4]), _padded(seqs[4:])]
+    influence = EKFACInfluence(model, fisher="empirical", skip=["wpe"])
+    influence.fit(lambda: iter(batches))
+    plain = influence.pairwise_scores(batches[:1], batches)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = influence.pairwise_scores(batches[:1], batches)
+    assert mixed.dtype == torch.float32 and plain.dtype == torch.float32
+    assert _rel(mixed, plain) < 0.2  # the bfloat16 forward's difference, not a dtype leak
