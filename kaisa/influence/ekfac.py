@@ -93,7 +93,7 @@ class EKFACInfluence:
 
     Args:
         model: The trained model (its mode is restored after each pass; the passes run it
-            in evaluation mode).
+            in evaluation mode); a DDP-wrapped model is read through its ``module``.
         fisher: ``'true'`` (labels drawn from the model, with ``seed``) or
             ``'empirical'`` (the batches' targets).
         damping: Added to ``Λ`` at score time: a number, or ``None`` for
@@ -131,6 +131,8 @@ class EKFACInfluence:
         progress: bool = False,
         grad_worker_fraction: FractionSpec = DistributedStrategy.COMM_OPT,
     ) -> None:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module  # its gradient synchronisation has no part here
         self.model = model
         self.fisher = Fisher(fisher)
         if damping is not None and not damping >= 0:

@@ -5,7 +5,7 @@ in short batches) with the empirical Fisher; every rank gets every score, in ran
 equal to the single process's. On the digits MLP, and on a small byte GPT with every
 block kind (attention, the tied embedding and head, norms) under every KAISA strategy
 (where each block's eigendecompositions are computed and its queries preconditioned) and
-under FSDP2 (``fully_shard`` on each Transformer layer and the root).
+under FSDP2 (``fully_shard`` on each Transformer layer and the root) and DDP.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ def _data(net: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor],
     return model, (data[8:, :-1], data[8:, 1:]), (data[:8, :-1], data[:8, 1:]), 6
 
 
-def _scores(rank: int | None, world: int, net: str, strategy: str, fsdp: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores(rank: int | None, world: int, net: str, strategy: str, fsdp: bool = False,
+            ddp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     model, (x, y), query, size = _data(net)
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)
     if rank is not None:
         shard = len(x) // world
         x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
@@ -53,14 +55,14 @@ def _scores(rank: int | None, world: int, net: str, strategy: str, fsdp: bool = 
     return influence.pairwise_scores([query], batches), influence.self_scores(batches)
 
 
-def _rank(rank: int, world: int, net: str, strategy: str, fsdp: bool
+def _rank(rank: int, world: int, net: str, strategy: str, fsdp: bool, ddp: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _scores(rank, world, net, strategy, fsdp)
+    return _scores(rank, world, net, strategy, fsdp, ddp)
 
 
-def _check(world: int, net: str, strategy: str, fsdp: bool = False) -> None:
+def _check(world: int, net: str, strategy: str, fsdp: bool = False, ddp: bool = False) -> None:
     pairwise, self_scores = _scores(None, world, net, strategy)
-    for got_pairwise, got_self in run_distributed(_rank, world, net, strategy, fsdp,
+    for got_pairwise, got_self in run_distributed(_rank, world, net, strategy, fsdp, ddp,
                                                   timeout=180):
         assert got_pairwise.shape == pairwise.shape and got_self.shape == self_scores.shape
         assert _rel(got_pairwise, pairwise) < 1e-10
@@ -83,3 +85,7 @@ def test_every_strategy_on_every_block_kind_equals_one_process(world: int, strat
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_equals_one_process(world: int) -> None:
     _check(world, "gpt", "mem_opt", fsdp=True)
+
+
+def test_a_ddp_model_equals_one_process() -> None:
+    _check(2, "gpt", "comm_opt", ddp=True)
