@@ -7,7 +7,7 @@
     scores = influence.pairwise_scores(query_batches, train_batches)   # (n_query, n_train)
     self_influence = influence.self_scores(train_batches)              # (n_train,)
     influence.save("results/")                         # results/fit.pt
-    kaisa.influence.save_scores("results/", "pairwise", scores)        # results/pairwise.pt
+    save_scores("results/", "pairwise", scores)                        # results/pairwise.pt
 """
 
 from __future__ import annotations
