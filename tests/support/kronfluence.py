@@ -74,6 +74,7 @@ def kronfluence_ekfac(
     model: nn.Module, train: TensorDataset, query: TensorDataset, *, damping: float | None,
     batch_size: int, workdir: str, empirical: bool, fixed_labels: torch.Tensor | None = None,
     dtype: torch.dtype = F64, self_scores: bool = True, tracked: list[str] | None = None,
+    score_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Kronfluence's EK-FAC factors and scores, every dtype float64 (or ``dtype``).
 
@@ -91,6 +92,8 @@ def kronfluence_ekfac(
             eigendecompositions run in float64 either way); the model and data follow it.
         self_scores: Also the self-influence scores.
         tracked: The modules Kronfluence tracks (``None``: its default).
+        score_options: Further ``ScoreArguments`` of the pairwise scores (e.g.
+            ``compute_per_token_scores``, ``query_gradient_low_rank``).
 
     Returns:
         ``{"factors": {module: {"A", "S", "QA", "QS", "lambda", "damping"}},
@@ -113,10 +116,13 @@ def kronfluence_ekfac(
     train_set, query_set = _indexed(train, dtype), _indexed(query, dtype)
     analyzer.fit_all_factors("f", train_set, per_device_batch_size=batch_size,
                              factor_args=factor_args, overwrite_output_dir=True)
+    pairwise_args = copy.deepcopy(score_args)
+    for key, value in (score_options or {}).items():
+        setattr(pairwise_args, key, value)
     analyzer.compute_pairwise_scores(
         scores_name="pairwise", factors_name="f", query_dataset=query_set,
         train_dataset=train_set, per_device_query_batch_size=batch_size,
-        per_device_train_batch_size=batch_size, score_args=score_args,
+        per_device_train_batch_size=batch_size, score_args=pairwise_args,
         overwrite_output_dir=True)
     if self_scores:
         analyzer.compute_self_scores(
