@@ -322,7 +322,8 @@ class EKFACInfluence:
                 columns.append(token_terms(self._parts(passed), dense))
         count = next(iter(per_block.values())).count
         longest = max([c.shape[-1] for c in columns], default=1)
-        longest = int(self._ranks.gathered(torch.tensor([[float(longest)]])).max())
+        mine = torch.tensor([[float(longest)]], device=self._device)
+        longest = int(self._ranks.gathered(mine).max())
         local = torch.cat([F.pad(c, (0, longest - c.shape[-1])) for c in columns], dim=1
                           ) if columns else torch.zeros(count, 0, longest, dtype=self.dtype,
                                                         device=self._device)
