@@ -393,11 +393,7 @@ class KFACCurvature(RecordingControl, DirectionPhases, CurvatureState):
     def load_state_dict(
         self, state: Mapping[str, Any], *, damping: float, compute_inverses: bool = True
     ) -> None:
-        """:meth:`CurvatureState.load_state_dict`, then which blocks are silent.
-
-        Silent: no factors after recorded steps (first-order in :meth:`coverage`), as the
-        saved run knew.
-        """
+        """:meth:`CurvatureState.load_state_dict`, then the saved run's silent blocks."""
         super().load_state_dict(state, damping=damping, compute_inverses=compute_inverses)
         silent = self._silent_blocks()
         if len(silent) < len(self._blocks) and silent != self._silent:  # a run that recorded

@@ -46,7 +46,7 @@ from kaisa.influence.observed import Inputs, Observer, Pass
 from kaisa.influence.ranks import Ranks
 from kaisa.influence.results import fit_file, read
 from kaisa.influence.rows import Part, Rows, Unreached, call_part, row_kind, scorable
-from kaisa.influence.scores import Queries, query_shape, token_terms
+from kaisa.influence.scores import Queries, query_shape, summed, token_terms
 from kaisa.utils.enums import DistributedStrategy
 
 __all__ = ["EKFACInfluence", "Fisher"]
@@ -228,8 +228,7 @@ class EKFACInfluence:
                             part = call_part(self.blocks[name], x, d, site, passed.examples,
                                              self.dtype)
                             assert isinstance(part, Rows)
-                            a2, g2 = _kept_rows(
-                                part, passed.mask if observer.applies(name) else None)
+                            a2, g2 = part.kept(passed.mask if observer.applies(name) else None)
                             self._factors[name].add(
                                 self.blocks[name], ops.covariance(a2, 1.0)[None],
                                 ops.covariance(g2, 1.0)[None], a2.shape[0], self.dtype)
@@ -297,7 +296,7 @@ class EKFACInfluence:
             for inputs, targets in self._observer.each(train, "pairwise scores"):
                 passed = self._observer.run(inputs, partial(_flipped, self.loss, targets))
                 for name, parts in self._parts(passed).items():
-                    g = _summed(p.matrices() for p in parts)
+                    g = summed(p.matrices() for p in parts)
                     columns[name].append(per_block[name].dense().flatten(1) @ g.flatten(1).T)
         return {name: self._ranks.gathered(torch.cat(parts, dim=1) if parts else  # no shard
                                            per_block[name].dense().new_zeros(
@@ -433,23 +432,6 @@ class EKFACInfluence:
     def load(self, path: str | Path) -> None:
         """Reads a :meth:`save` file or directory (a foreign one refused in one line)."""
         self.load_state_dict(read(fit_file(path), "an EKFACInfluence fit"))
-
-
-def _kept_rows(part: Rows, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A call's rows ``(a, g)`` as matrices, without the masked positions' rows."""
-    if mask is not None and part.a.shape[2] == mask.shape[1] and part.a.shape[1] == 1:
-        keep = mask.to(torch.bool)
-        return part.a[:, 0][keep], part.g[:, 0][keep]
-    return part.a.flatten(0, 2), part.g.flatten(0, 2)
-
-
-def _summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The sum of one or more tensors (the first not copied)."""
-    it = iter(tensors)
-    total = next(it)
-    for t in it:
-        total = total + t
-    return total
 
 
 def _flipped(loss: Measurement, targets: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:

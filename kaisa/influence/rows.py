@@ -57,6 +57,13 @@ class Rows:
         """``<P_q, g_r a_r^T>`` of matrices ``p`` ``(Q, groups, rows, columns)``: ``(Q, N, R)``."""
         return torch.einsum("qkoi,nkri,nkro->qnr", p, self.a, self.g)
 
+    def kept(self, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``(a, g)`` as matrices, without the masked positions' rows."""
+        if mask is not None and self.a.shape[2] == mask.shape[1] and self.a.shape[1] == 1:
+            keep = mask.to(torch.bool)
+            return self.a[:, 0][keep], self.g[:, 0][keep]
+        return self.a.flatten(0, 2), self.g.flatten(0, 2)
+
 
 @dataclass
 class Indexed:

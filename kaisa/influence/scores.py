@@ -11,14 +11,14 @@ scores).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kaisa.influence.rows import Part, Unreached
 
-__all__ = ["Queries", "query_shape", "token_terms"]
+__all__ = ["Queries", "query_shape", "summed", "token_terms"]
 
 #: Queries scored at once by :func:`token_terms` (bounds its intermediate products).
 TOKEN_CHUNK = 8
@@ -60,6 +60,15 @@ class Queries:
             return self.whole
         assert self.left is not None and self.right is not None
         return self.left @ self.right
+
+
+def summed(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of one or more tensors (the first not copied)."""
+    it = iter(tensors)
+    total = next(it)
+    for t in it:
+        total = total + t
+    return total
 
 
 def query_shape(count: int, shape: tuple[int, ...], field: str, rank: int | None
