@@ -46,7 +46,7 @@ from kaisa.influence.observed import Inputs, Observer, Pass
 from kaisa.influence.ranks import Ranks
 from kaisa.influence.results import fit_file, read
 from kaisa.influence.rows import Part, Rows, Unreached, call_part, row_kind, scorable
-from kaisa.influence.scores import Queries, query_shape, summed, token_terms
+from kaisa.influence.scores import Queries, check_rank, query_shape, summed, token_terms
 from kaisa.utils.enums import DistributedStrategy
 
 __all__ = ["EKFACInfluence", "Fisher"]
@@ -363,7 +363,7 @@ class EKFACInfluence:
         Computed by the block's gradient workers, batch by batch (truncated to ``rank``
         there), then sent to the other ranks (:meth:`Ranks.spread`).
         """
-        Queries.of(torch.zeros(1, 1, 1, 1), rank)  # a bad rank refused before any pass
+        check_rank(rank)  # a bad rank refused before any pass
         parts: dict[str, list[Queries]] = {name: [] for name in self.blocks}
         count = 0
         with self._observer.installed():

@@ -22,7 +22,7 @@ from torch import nn
 
 from kaisa.blocks import Conv2dBlock, CurvatureBlock
 from kaisa.core.hooks import StatisticsRecorder
-from kaisa.influence.rows import evaluating
+from kaisa.influence.rows import evaluating, example_dim
 
 __all__ = ["Call", "Inputs", "Observer", "Pass", "examples_of", "positions_first"]
 
@@ -55,7 +55,7 @@ def positions_first(block: CurvatureBlock, t: torch.Tensor, mask: torch.Tensor
 
     ``None`` when they are not (a convolution's, or a call over other rows).
     """
-    first = 1 if getattr(block, "_example_dim", 0) == 1 else 0  # attention: sequence-first
+    first = example_dim(block)
     n, length = mask.shape
     if t.dim() < 2 or t.shape[first] != n:
         return None

@@ -39,7 +39,7 @@ from kaisa.blocks.scale_shift import ScaleShiftBlock
 from kaisa.blocks.tied import HEAD_SITE, TiedEmbeddingBlock
 
 __all__ = ["Elementwise", "Indexed", "Part", "Rows", "Unreached", "basis", "call_part",
-           "evaluating", "row_kind", "running_factors", "scorable"]
+           "evaluating", "example_dim", "row_kind", "running_factors", "scorable"]
 
 
 @dataclass
@@ -137,6 +137,11 @@ def scorable(block: CurvatureBlock) -> bool:
         block, LinearBlock | Conv2dBlock | EmbeddingBlock | ScaleShiftBlock)
 
 
+def example_dim(block: CurvatureBlock) -> int:
+    """The examples' dimension of a block's calls: 1 for attention's (sequence-first)."""
+    return 1 if getattr(block, "_example_dim", 0) == 1 else 0
+
+
 def row_kind(block: CurvatureBlock) -> bool:
     """The anchor's kinds: covariances ``(1/R) sum a a^T`` of the rows here.
 
@@ -178,7 +183,7 @@ def call_part(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor, site: int
 
 def _part(block: CurvatureBlock, x: torch.Tensor, d: torch.Tensor, site: int,
           examples: int, dtype: torch.dtype) -> Part:
-    first = 1 if getattr(block, "_example_dim", 0) == 1 else 0  # attention: sequence-first
+    first = example_dim(block)
     if x.shape[first] != examples:
         raise ValueError(
             f"influence: layer {block.name!r} is called on {x.shape[first]} rows, the batch "

@@ -18,10 +18,17 @@ import torch
 
 from kaisa.influence.rows import Part, Unreached
 
-__all__ = ["Queries", "query_shape", "summed", "token_terms"]
+__all__ = ["Queries", "check_rank", "query_shape", "summed", "token_terms"]
 
 #: Queries scored at once by :func:`token_terms` (bounds its intermediate products).
 TOKEN_CHUNK = 8
+
+
+def check_rank(rank: int | None) -> int | None:
+    """``rank`` (a ``query_rank``: ``None`` or a positive integer), or ``ValueError``."""
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"query_rank must be a positive integer or None, got {rank!r}")
+    return rank
 
 
 @dataclass
@@ -39,10 +46,9 @@ class Queries:
         Raises:
             ValueError: ``rank`` is not a positive integer.
         """
-        if rank is None:
+        if check_rank(rank) is None:
             return cls(whole=p)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"query_rank must be a positive integer or None, got {rank!r}")
+        assert rank is not None
         u, s, vh = torch.linalg.svd(p, full_matrices=False)
         k = min(rank, s.shape[-1])
         return cls(left=u[..., :k] * s[..., None, :k], right=vh[..., :k, :])

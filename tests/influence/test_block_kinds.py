@@ -136,25 +136,33 @@ def test_every_kinds_lambda_and_scores_equal_the_conventions_in_the_fits_bases(
     assert _rel(influence.self_scores(batches)[:8], total[:, :8].diagonal()) < 1e-10
 
 
-def test_the_core_kinds_bases_are_the_products_factors() -> None:
-    """Seeded from a ``KFACPreconditioner``'s running factors after one step on the one
-    batch (decay 1e-14: the running factors are that batch's), the scores equal the fit's:
-    the kinds the core records (attention, the tied embedding and head) have the core's
-    factors, at any scale."""
+def _seeded_after_one_step(model: nn.Module, one: list[Batch]) -> EKFACInfluence:
+    """Fitted on ``one`` with the bases of a ``KFACPreconditioner``'s running factors after
+    one step on it (decay 1e-14: the running factors are that batch's)."""
     import kaisa
     from kaisa.influence import running_factors
 
-    model, batches = _gpt()
-    one = batches[:1]
     pre = kaisa.KFACPreconditioner(model, layer_kinds="all", factor_decay=1e-14,
                                    factor_update_steps=1, inv_update_steps=1)
     inputs, targets = one[0]
     _loss(model(inputs), targets).backward()
     pre.step()
-    fit = EKFACInfluence(model, fisher="empirical", dtype=F64)
-    fit.fit(lambda: iter(one))
     seeded = EKFACInfluence(model, fisher="empirical", dtype=F64)
     seeded.fit(lambda: iter(one), factors=running_factors(pre))
+    return seeded
+
+
+def test_the_core_kinds_bases_are_the_products_factors() -> None:
+    """Seeded from a ``KFACPreconditioner``'s running factors after one step on the one
+    batch (decay 1e-14: the running factors are that batch's), the scores equal the fit's:
+    the kinds the core records (attention, the tied embedding and head) have the core's
+    factors, at any scale."""
+
+    model, batches = _gpt()
+    one = batches[:1]
+    fit = EKFACInfluence(model, fisher="empirical", dtype=F64)
+    fit.fit(lambda: iter(one))
+    seeded = _seeded_after_one_step(model, one)
     kinds = {type(b).__name__ for b in seeded.blocks.values()}
     assert {"AttentionBlock", "TiedEmbeddingBlock", "LinearBlock"} <= kinds
     assert _rel(seeded.pairwise_scores(one, batches), fit.pairwise_scores(one, batches)) < 1e-8
@@ -217,9 +225,7 @@ def test_a_tied_weight_with_a_diagonal_vocabulary_side(monkeypatch: pytest.Monke
     """A vocabulary above the dense limit (as a real language model's): the tied block's
     vocabulary side is diagonal, its width side keeps the combined factor's basis (equal
     to a ``KFACPreconditioner``'s on the same batch), and a saved fit loads back."""
-    import kaisa
     import kaisa.blocks.tied as tied
-    from kaisa.influence import running_factors
 
     monkeypatch.setattr(tied, "LARGE_FACTOR_DIM", 64)  # 256 bytes: diagonal
     model, batches = _gpt()
@@ -228,13 +234,7 @@ def test_a_tied_weight_with_a_diagonal_vocabulary_side(monkeypatch: pytest.Monke
     fit.fit(lambda: iter(one))
     f = fit._factors["embedding"]
     assert f.qa is None and f.qs is not None and f.qs.shape == (1, 16, 16)
-    pre = kaisa.KFACPreconditioner(model, layer_kinds="all", factor_decay=1e-14,
-                                   factor_update_steps=1, inv_update_steps=1)
-    inputs, targets = one[0]
-    _loss(model(inputs), targets).backward()
-    pre.step()
-    seeded = EKFACInfluence(model, fisher="empirical", dtype=F64)
-    seeded.fit(lambda: iter(one), factors=running_factors(pre))
+    seeded = _seeded_after_one_step(model, one)
     want = fit.pairwise_scores(one, batches)
     assert _rel(seeded.pairwise_scores(one, batches), want) < 1e-8
     fit.save(tmp_path)
